@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine:
+#   make train    the main job: train the reference GPT on 2 CPU processes (tp=2)
+#   make test     the test suite
+# Both create .venv on first use. With no torch in it, torch $(TORCH_VERSION) is installed first,
+# so pip never resolves an unpinned torch (on a machine without torch that means a multi-GB CUDA
+# build); bring your own torch with `make TORCH_VERSION=2.6.0 ...` or install bigdense into an
+# environment that already has one: `pip install -e .[dev]`.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+NPROC ?= 2
+ARGS ?=
+
+.PHONY: setup train test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+train: setup
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/train.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

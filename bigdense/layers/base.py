@@ -1,0 +1,97 @@
+"""What every tensor-parallel layer shares: its group, its shard layout, its seeds, its input checks.
+
+A layer declares, per parameter, the global shape and the dimension it is split along
+(``_shards``); from that come ``bd_shard_specs()`` (read by clipping, checkpoints and export),
+the Megatron-style attributes DeepSpeed reads, and ``to_dense``-style gathering.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from ..parallel import comm
+from ..parallel.context import resolve_tp_group
+from ..parallel.random import draw_seed
+from ..parallel.sharding import ShardSpec, mark_tensor_parallel
+
+
+class TensorParallelModule(nn.Module):
+    """Base of bigdense's sharded layers. Subclasses call `_setup_tp` first in ``__init__``."""
+
+    def _setup_tp(self, tp_group) -> None:
+        self.tp_group = resolve_tp_group(tp_group)
+        self.tp_size = comm.group_size(self.tp_group)
+        self.tp_rank = comm.group_rank(self.tp_group)
+        # Seeds are drawn at construction, so a layer built on the meta device and materialised
+        # later (`bigdense.materialize`) gets exactly the values an eager build would have.
+        self._weight_seed = draw_seed()
+        self._shards: dict[str, tuple[tuple[int, ...], int]] = {}
+
+    def _declare_shard(self, name: str, global_shape, dim: int) -> None:
+        """Parameter ``name`` is this rank's balanced slice of ``global_shape`` along ``dim``."""
+        self._shards[name] = (tuple(int(s) for s in global_shape), dim)
+        mark_tensor_parallel(getattr(self, name), self.shard_spec(name))
+
+    def _apply(self, fn, recurse=True):
+        # .to()/.to_empty() may replace Parameter objects; keep the Megatron attributes on the new ones.
+        out = super()._apply(fn, recurse)
+        for name in self._shards:
+            if getattr(self, name, None) is not None:
+                mark_tensor_parallel(getattr(self, name), self.shard_spec(name))
+        return out
+
+    def shard_spec(self, name: str) -> Optional[ShardSpec]:
+        """Where parameter ``name`` sits in its global tensor; ``None`` if it is replicated over TP."""
+        if name not in self._shards:
+            return None
+        shape, dim = self._shards[name]
+        return ShardSpec.balanced(shape, dim, self.tp_size, self.tp_rank)
+
+    def bd_shard_specs(self) -> dict[str, ShardSpec]:
+        """``{parameter name: ShardSpec}`` for this module's own sharded parameters."""
+        return {name: self.shard_spec(name) for name in self._shards if getattr(self, name, None) is not None}
+
+    def gather_param(self, name: str) -> torch.Tensor:
+        """The full global tensor of parameter ``name`` on every rank (a collective when sharded)."""
+        param = getattr(self, name).detach()
+        spec = self.shard_spec(name)
+        if spec is None:
+            return param.clone()
+        return comm.all_gather_dim(param, spec.dim, self.tp_group, spec.sizes)
+
+    # ---- input validation: errors name the layer, what was expected and what came ----
+    def _where(self) -> str:
+        return f"{type(self).__name__}({self._describe_shape()}, tp={self.tp_size}, rank {self.tp_rank})"
+
+    def _describe_shape(self) -> str:
+        return ""
+
+    def _check_input(self, x: torch.Tensor, width: int, what: str, param: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{self._where()}: expected a tensor input, got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != width:
+            raise ValueError(f"{self._where()}: expected input of shape (*, {width}) ({what}), got {tuple(x.shape)}")
+        if x.device != param.device:
+            raise ValueError(
+                f"{self._where()}: input is on {x.device} but the layer's parameters are on {param.device}"
+            )
+        if x.dtype != param.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"{self._where()}: input dtype {x.dtype} does not match parameter dtype {param.dtype} "
+                f"(cast the input, or run under torch.autocast)"
+            )
+
+
+def materialize(module: nn.Module, device="cpu") -> nn.Module:
+    """Allocate a module built on the meta device and initialise it in place.
+
+    bigdense layers refill from the seeds they drew at construction, so the result equals an eager
+    build after the same ``torch.manual_seed``; other modules get their own ``reset_parameters()``.
+    """
+    module.to_empty(device=device)
+    for sub in module.modules():
+        if hasattr(sub, "reset_parameters"):
+            sub.reset_parameters()
+    return module

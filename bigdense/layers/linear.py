@@ -1,0 +1,205 @@
+"""Column- and row-parallel linear layers (Megatron's split of ``y = x W^T + b``).
+
+Column: ``W`` split by output rows. Each rank computes its slice of the output features.
+Row:    ``W`` split by input columns. Each rank multiplies its slice of the input features and the
+        partial products are summed over TP.
+
+A Column→(element-wise op)→Row pair needs one all-reduce forward and one backward, and both
+sides split the hidden size with the same balanced rule, so they agree on every rank's slice.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..parallel.regions import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from ..parallel.sharding import shard_range, shard_sizes
+from .base import TensorParallelModule
+from .init import InitSpec, init_bias_, resolve_init
+
+
+class _ParallelLinear(TensorParallelModule):
+    """Shared parts of Column/Row: parameters, init, dense conversion. ``_split_dim`` is 0 or 1."""
+
+    _split_dim: int
+
+    def __init__(self, in_features, out_features, bias, init, tp_group, device, dtype):
+        super().__init__()
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{type(self).__name__}: {name} must be a positive integer, got {value!r}")
+        self.in_features, self.out_features = in_features, out_features
+        self._setup_tp(tp_group)
+        self.init = resolve_init(init, f"{type(self).__name__}({in_features}, {out_features})")
+        split_total = out_features if self._split_dim == 0 else in_features
+        self.partition_sizes = shard_sizes(split_total, self.tp_size)
+        lo, hi = shard_range(split_total, self.tp_size, self.tp_rank)
+        self.partition_start, self.partition_size = lo, hi - lo
+
+        shape = [out_features, in_features]
+        shape[self._split_dim] = self.partition_size
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self._declare_shard("weight", (out_features, in_features), self._split_dim)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self._bias_len(), device=device, dtype=dtype))
+            if self._split_dim == 0:
+                self._declare_shard("bias", (out_features,), 0)
+        else:
+            self.register_parameter("bias", None)
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def _bias_len(self) -> int:
+        return self.partition_size if self._split_dim == 0 else self.out_features
+
+    def reset_parameters(self) -> None:
+        """Fill this rank's shard with its slice of the TP-invariant global initialisation."""
+        offsets = (self.partition_start, 0) if self._split_dim == 0 else (0, self.partition_start)
+        with torch.no_grad():
+            self.init.init_(self.weight, (self.out_features, self.in_features), offsets, self._weight_seed)
+            if self.bias is not None:
+                bias_offset = self.partition_start if self._split_dim == 0 else 0
+                init_bias_(self.bias, self.init, self.in_features, self.out_features, bias_offset, self._weight_seed)
+
+    def _describe_shape(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+    def extra_repr(self) -> str:
+        which = "out_features" if self._split_dim == 0 else "in_features"
+        return (
+            f"{self._describe_shape()}, bias={self.bias is not None}, "
+            f"{which} on this rank={self.partition_size}, tp={self.tp_size}, init={self.init.name}"
+        )
+
+    @torch.no_grad()
+    def to_dense(self) -> nn.Linear:
+        """An ``nn.Linear`` with the full weight and bias, on every rank (a collective)."""
+        dense = nn.Linear(
+            self.in_features, self.out_features, bias=self.bias is not None,
+            device=self.weight.device, dtype=self.weight.dtype,
+        )
+        dense.weight.copy_(self.gather_param("weight"))
+        if self.bias is not None:
+            dense.bias.copy_(self.gather_param("bias"))
+        return dense
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, **kwargs):
+        """This rank's slice of ``linear`` as a parallel layer (same device and dtype as ``linear``).
+
+        ``kwargs`` are the constructor's keyword options (``tp_group``, ``gather_output``, ...).
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{cls.__name__}.from_dense: expected an nn.Linear, got {type(linear).__name__}")
+        for key in ("bias", "device", "dtype", "init"):
+            if key in kwargs:
+                raise TypeError(f"{cls.__name__}.from_dense: {key}= comes from the nn.Linear, do not pass it")
+        layer = cls(
+            linear.in_features, linear.out_features, bias=linear.bias is not None,
+            device="meta", dtype=linear.weight.dtype, **kwargs,
+        )
+        layer.to_empty(device=linear.weight.device)
+        layer.load_dense_(linear.weight, linear.bias)
+        return layer
+
+    @torch.no_grad()
+    def load_dense_(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        """Copy this rank's slice of a full ``(out_features, in_features)`` weight (and bias) in place."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"{self._where()}: full weight must have shape {(self.out_features, self.in_features)}, "
+                f"got {tuple(weight.shape)}"
+            )
+        self.weight.copy_(self.shard_spec("weight").slice_of(weight))
+        if (bias is None) != (self.bias is None):
+            raise ValueError(f"{self._where()}: bias is {'missing' if bias is None else 'unexpected'}")
+        if bias is not None:
+            spec = self.shard_spec("bias")
+            self.bias.copy_(bias if spec is None else spec.slice_of(bias))
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x W^T + b`` with ``W`` split by output features over TP.
+
+    Per rank: weight ``(out_local, in_features)``, bias ``(out_local,)``, where ``out_local`` is this
+    rank's share of ``out_features`` (balanced; shards differ by at most one row).
+    Input ``(*, in_features)``, the same on every TP rank. Output ``(*, out_local)``, or
+    ``(*, out_features)`` on every rank with ``gather_output=True``.
+    Collectives: backward all-reduce of the input grad; all-gather of the output if gathered.
+    """
+
+    _split_dim = 0
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        gather_output: bool = False,
+        init: InitSpec = "torch",
+        tp_group=None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(in_features, out_features, bias, init, tp_group, device, dtype)
+        self.gather_output = gather_output
+
+    @property
+    def out_features_per_partition(self) -> int:
+        return self.partition_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x, self.in_features, "in_features, replicated on every TP rank", self.weight)
+        y = F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)
+        if self.gather_output:
+            y = gather_from_tp(y, self.tp_group, self.partition_sizes)
+        return y
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x W^T + b`` with ``W`` split by input features over TP.
+
+    Per rank: weight ``(out_features, in_local)``; bias ``(out_features,)`` whole, replicated, added
+    once after the reduction. Input ``(*, in_local)`` -- this rank's slice of the last dim, as a
+    ColumnParallelLinear produces it -- or ``(*, in_features)`` with ``input_is_parallel=False``,
+    which is then split here. Output ``(*, out_features)``, the same on every TP rank.
+    Collectives: forward all-reduce of the partial products (all-gather of the input grad when the
+    input was split here).
+    """
+
+    _split_dim = 1
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        input_is_parallel: bool = True,
+        init: InitSpec = "torch",
+        tp_group=None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(in_features, out_features, bias, init, tp_group, device, dtype)
+        self.input_is_parallel = input_is_parallel
+
+    @property
+    def in_features_per_partition(self) -> int:
+        return self.partition_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_is_parallel:
+            what = f"this rank's slice of in_features={self.in_features}, input_is_parallel=True"
+            self._check_input(x, self.partition_size, what, self.weight)
+        else:
+            self._check_input(x, self.in_features, "in_features, input_is_parallel=False", self.weight)
+            x = scatter_to_tp(x, self.tp_group, self.partition_sizes)
+        y = reduce_from_tp(F.linear(x, self.weight), self.tp_group)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y

@@ -1,0 +1,17 @@
+"""Process groups, collectives, autograd communication regions and TP-invariant randomness."""
+from .context import (
+    ParallelContext,
+    ParallelDims,
+    destroy_parallel,
+    get_default_context,
+    init_parallel,
+    set_default_context,
+)
+from .regions import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from .sharding import ShardSpec, shard_range, shard_sizes
+
+__all__ = [
+    "ParallelContext", "ParallelDims", "init_parallel", "destroy_parallel", "get_default_context",
+    "set_default_context", "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp",
+    "ShardSpec", "shard_sizes", "shard_range",
+]

@@ -1,0 +1,68 @@
+"""init_parallel: the TP x DP mesh under a launcher, a 1-rank context alone, clear errors otherwise."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import bigdense as bd
+from bigdense.testing import RankError, run_ranks
+
+
+def test_alone_it_is_a_one_rank_context_without_process_group():
+    ctx = bd.init_parallel()
+    assert (ctx.tp_size, ctx.tp_rank, ctx.dp_size, ctx.dp_rank) == (1, 0, 1, 0)
+    assert ctx.tp_group is None and ctx.dp_group is None and not dist.is_initialized()
+    assert bd.get_default_context() is ctx
+
+
+def test_alone_asking_for_tp_gives_a_launch_hint():
+    with pytest.raises(ValueError, match=r"tp \(2\) x parallel.dp \(1\) = 2, but the world size is 1.*torchrun --nproc_per_node=2"):
+        bd.init_parallel(tp=2)
+
+
+@pytest.mark.parametrize("tp,dp,world", [(0, 1, 1), (2, 2, 3), (1.5, 1, 1)])
+def test_parallel_dims_validation(tp, dp, world):
+    with pytest.raises(ValueError, match="parallel"):
+        bd.ParallelDims(tp, dp, world)
+
+
+def _mesh(tp):
+    ctx = bd.init_parallel(tp=tp)
+    # Which global ranks share this rank's TP and DP groups, seen through the groups themselves.
+    tp_members = [None] * ctx.tp_size
+    dist.all_gather_object(tp_members, ctx.rank, group=ctx.tp_group)
+    dp_members = [None] * ctx.dp_size
+    dist.all_gather_object(dp_members, ctx.rank, group=ctx.dp_group)
+    return ctx.rank, ctx.tp_rank, ctx.dp_rank, ctx.tp_size, ctx.dp_size, tp_members, dp_members
+
+
+def test_four_ranks_make_a_tp2_dp2_mesh_with_tp_innermost():
+    out = run_ranks(_mesh, 4, 2)
+    assert out == [
+        (0, 0, 0, 2, 2, [0, 1], [0, 2]),
+        (1, 1, 0, 2, 2, [0, 1], [1, 3]),
+        (2, 0, 1, 2, 2, [2, 3], [0, 2]),
+        (3, 1, 1, 2, 2, [2, 3], [1, 3]),
+    ]
+
+
+def _init_own_group(tp):
+    ctx = bd.init_parallel(tp=tp, timeout=30)
+    assert dist.get_backend() == "gloo" and ctx.device == torch.device("cpu")
+    t = torch.ones(1)
+    dist.all_reduce(t, group=ctx.tp_group)
+    bd.destroy_parallel()
+    return t.item(), dist.is_initialized()
+
+
+def test_under_a_launcher_it_initialises_gloo_itself_on_cpu():
+    assert run_ranks(_init_own_group, 2, 2, init_process_group=False) == [(2.0, False), (2.0, False)]
+
+
+def _bad_tp():
+    bd.init_parallel(tp=3)
+
+
+def test_tp_that_does_not_divide_the_world_fails_on_every_rank_without_hanging():
+    with pytest.raises(RankError, match=r"(?s)of 4 failed.*tp=3 does not divide the world size 4.*one of \[1, 2, 4\]") as info:
+        run_ranks(_bad_tp, 4, timeout=60)
+    assert "failed too" in str(info.value)  # every rank raised, none hung
