@@ -4,30 +4,14 @@
     ctx = bd.init_parallel(tp=2)
     fc1 = bd.ColumnParallelLinear(1024, 4096)
     fc2 = bd.RowParallelLinear(4096, 1024)
+
+Each subpackage lists its public names in ``__all__``; this module re-exports all of them.
 """
-from .layers import (
-    INITIALIZERS,
-    ColumnParallelLinear,
-    Initializer,
-    RowParallelLinear,
-    TensorParallelModule,
-    materialize,
-)
-from .parallel import (
-    ParallelContext,
-    ParallelDims,
-    ShardSpec,
-    destroy_parallel,
-    get_default_context,
-    init_parallel,
-    set_default_context,
-)
+from . import checkpoint, layers, parallel
+from .checkpoint import *  # noqa: F401,F403
+from .layers import *  # noqa: F401,F403
+from .parallel import *  # noqa: F401,F403
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "init_parallel", "destroy_parallel", "get_default_context", "set_default_context",
-    "ParallelContext", "ParallelDims", "ShardSpec",
-    "ColumnParallelLinear", "RowParallelLinear", "TensorParallelModule", "Initializer", "INITIALIZERS",
-    "materialize",
-]
+__all__ = [*parallel.__all__, *layers.__all__, *checkpoint.__all__]

@@ -8,6 +8,7 @@ no rank ever materialises the whole tensor.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -45,19 +46,21 @@ def tiled_fill_(
     offsets: Sequence[int],
     seed: int,
     fill: FillFn,
-    tile: int = TILE,
+    tile: int | tuple[int, int] = TILE,
 ) -> torch.Tensor:
     """Fill ``out`` with its slice of a tiled-random global tensor.
 
     ``out`` is ``global[o0 : o0 + out.shape[0], o1 : o1 + out.shape[1]]`` for ``offsets = (o0, o1)``
     (1-D tensors: one offset). ``fill(tile, generator)`` fills an fp32 tile in place; the tile is
-    then cast into ``out``'s dtype, so every dtype sees the same underlying draws.
+    then cast into ``out``'s dtype, so every dtype sees the same underlying draws. ``tile`` is the
+    grid's tile shape; it must depend on the global shape only, never on the sharding.
     """
     if out.dim() == 1:
         tiled_fill_(out.view(1, -1), (1, global_shape[0]), (0, offsets[0]), seed, fill, tile)
         return out
     if out.dim() != 2:
         raise ValueError(f"tiled_fill_: expected a 1-D or 2-D tensor, got shape {tuple(out.shape)}")
+    tile_rows, tile_cols = (tile, tile) if isinstance(tile, int) else tile
     rows, cols = int(global_shape[0]), int(global_shape[1])
     r0, c0 = int(offsets[0]), int(offsets[1])
     r1, c1 = r0 + out.shape[0], c0 + out.shape[1]
@@ -66,10 +69,10 @@ def tiled_fill_(
     device = out.device
     generator = torch.Generator(device=device)
     with torch.no_grad():
-        for ti in range(r0 // tile, (r1 + tile - 1) // tile):
-            tr0, tr1 = ti * tile, min((ti + 1) * tile, rows)
-            for tj in range(c0 // tile, (c1 + tile - 1) // tile):
-                tc0, tc1 = tj * tile, min((tj + 1) * tile, cols)
+        for ti in range(r0 // tile_rows, -(-r1 // tile_rows)):
+            tr0, tr1 = ti * tile_rows, min((ti + 1) * tile_rows, rows)
+            for tj in range(c0 // tile_cols, -(-c1 // tile_cols)):
+                tc0, tc1 = tj * tile_cols, min((tj + 1) * tile_cols, cols)
                 generator.manual_seed(mix_seed(seed, ti, tj))
                 block = torch.empty(tr1 - tr0, tc1 - tc0, dtype=torch.float32, device=device)
                 fill(block, generator)
@@ -78,3 +81,53 @@ def tiled_fill_(
                 b0, b1 = max(tc0, c0), min(tc1, c1)
                 out[a0 - r0 : a1 - r0, b0 - c0 : b1 - c0].copy_(block[a0 - tr0 : a1 - tr0, b0 - tc0 : b1 - tc0])
     return out
+
+
+def tp_dropout(
+    x: torch.Tensor,
+    p: float,
+    training: bool = True,
+    *,
+    shard_dim: int | None = None,
+    global_size: int | None = None,
+    offset: int = 0,
+) -> torch.Tensor:
+    """Dropout whose mask does not depend on the TP size.
+
+    Each call draws one seed from torch's default CPU generator, so (a) activation checkpointing,
+    which restores that generator before recomputing, redraws the same mask, and (b) every TP rank
+    draws the same seed as long as all ranks were seeded alike. The mask of the *global* tensor is
+    then generated tile by tile (`tiled_fill_`):
+
+    * replicated region (``shard_dim=None``): ``x`` is the whole tensor; every TP rank applies the
+      same mask.
+    * sharded region: ``x`` is this rank's slice ``[offset : offset + x.shape[shard_dim]]`` of a
+      dimension of length ``global_size``; the rank applies exactly that slice of the mask the
+      unsharded model would draw.
+    """
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"tp_dropout: p must be in [0, 1), got {p}")
+    if not training or p == 0.0:
+        return x
+    if x.dim() == 0:
+        return tp_dropout(x.reshape(1), p, training).reshape(())
+    seed = draw_seed()  # drawn even for an empty shard, so every rank's generator advances alike
+    shape = list(x.shape)
+    if x.numel() == 0:
+        return x
+    if shard_dim is None:
+        rows, cols, col_offset = math.prod(shape[:-1]), shape[-1], 0
+    else:
+        shard_dim %= x.dim()
+        if global_size is None:
+            raise ValueError("tp_dropout: a sharded region needs global_size")
+        # Global tensor viewed as (outer, global_size * inner): a shard is then the same
+        # contiguous column range in every row.
+        inner = math.prod(shape[shard_dim + 1 :])
+        rows, cols, col_offset = math.prod(shape[:shard_dim]), global_size * inner, offset * inner
+    # The tile grid depends on the global (rows, cols) only; ~256K draws per tile.
+    tile_cols = min(cols, 8192)
+    tile = (max(1, (1 << 18) // tile_cols), tile_cols)
+    mask = torch.empty((rows, x.numel() // rows), dtype=torch.float32, device=x.device)
+    tiled_fill_(mask, (rows, cols), (0, col_offset), seed, lambda t, g: t.bernoulli_(1.0 - p, generator=g), tile)
+    return x * mask.bool().view_as(x) * (1.0 / (1.0 - p))
