@@ -8,6 +8,7 @@ no rank ever materialises the whole tensor.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, Sequence
 
@@ -83,6 +84,22 @@ def tiled_fill_(
     return out
 
 
+_batch_slice: tuple[int, int] | None = None
+
+
+@contextlib.contextmanager
+def batch_slice(start: int, total: int):
+    """Declare that dim 0 of every activation is rows ``[start, start + B)`` of a global batch of
+    ``total`` rows (data parallelism, micro-batching). `tp_dropout` then draws the rows of the
+    global batch's mask, so masks do not depend on the data-parallel size either."""
+    global _batch_slice
+    previous, _batch_slice = _batch_slice, (int(start), int(total))
+    try:
+        yield
+    finally:
+        _batch_slice = previous
+
+
 def tp_dropout(
     x: torch.Tensor,
     p: float,
@@ -104,6 +121,8 @@ def tp_dropout(
     * sharded region: ``x`` is this rank's slice ``[offset : offset + x.shape[shard_dim]]`` of a
       dimension of length ``global_size``; the rank applies exactly that slice of the mask the
       unsharded model would draw.
+
+    Inside `batch_slice`, dim 0 is further read as a slice of the global batch.
     """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"tp_dropout: p must be in [0, 1), got {p}")
@@ -125,9 +144,17 @@ def tp_dropout(
         # contiguous column range in every row.
         inner = math.prod(shape[shard_dim + 1 :])
         rows, cols, col_offset = math.prod(shape[:shard_dim]), global_size * inner, offset * inner
+    row_offset, global_rows = 0, rows
+    if _batch_slice is not None:
+        if shard_dim == 0:
+            raise ValueError("tp_dropout: dim 0 is the data-parallel batch inside batch_slice; it cannot be TP-sharded")
+        start, total = _batch_slice
+        per_sample = rows // shape[0]
+        row_offset, global_rows = start * per_sample, total * per_sample
     # The tile grid depends on the global (rows, cols) only; ~256K draws per tile.
     tile_cols = min(cols, 8192)
     tile = (max(1, (1 << 18) // tile_cols), tile_cols)
     mask = torch.empty((rows, x.numel() // rows), dtype=torch.float32, device=x.device)
-    tiled_fill_(mask, (rows, cols), (0, col_offset), seed, lambda t, g: t.bernoulli_(1.0 - p, generator=g), tile)
+    tiled_fill_(mask, (global_rows, cols), (row_offset, col_offset), seed,
+                lambda t, g: t.bernoulli_(1.0 - p, generator=g), tile)
     return x * mask.bool().view_as(x) * (1.0 / (1.0 - p))

@@ -1,0 +1,219 @@
+"""The training configuration: one dataclass per Hydra config group, with documented defaults.
+
+``conf/<group>/<option>.yaml`` files fill these schemas (registered below as ``<group>/_schema``
+and used by each option's defaults list), so a misspelt key or a wrong type fails when Hydra
+composes the config. `validate` then checks what a schema cannot (ranges, combinations, the
+machine) and raises `ConfigError` naming the key, before any work starts.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A configuration value a person has to change; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    """The network. ``vocab_size`` defaults to the tokenizer's."""
+
+    name: str = "gpt"  # the decoder LM of bigdense.models (the classifier there is library-only)
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4  # tensor parallelism splits heads: parallel.tp must divide this
+    d_hidden: Optional[int] = None  # MLP width; None means 4 * d_model
+    activation: str = "gelu"  # "gelu", "relu" or "swiglu"
+    max_seq_len: int = 256
+    dropout: float = 0.1
+    bias: bool = True
+    tie_embeddings: bool = True  # share the embedding table with the output head, shard for shard
+    vocab_size: Optional[int] = None
+    head_chunk_size: int = 1024  # tokens per chunk of the fused vocab-parallel cross-entropy
+    init: str = "trunc_normal"  # a name from bigdense.INITIALIZERS
+
+
+@dataclass
+class RecomputeConfig:
+    """Activation checkpointing: trade a second forward for the memory of stored activations."""
+
+    mode: str = "none"  # "none", "full" (every block), "mlp" (only the MLPs), "every_k" (every k-th block)
+    every: int = 2  # k, for mode=every_k
+
+
+@dataclass
+class ParallelConfig:
+    """The process mesh: ``tp * dp`` must equal the number of processes."""
+
+    tp: int = 2
+    dp: Optional[int] = None  # None: world_size // tp
+    backend: Optional[str] = None  # None: nccl on CUDA, gloo on CPU
+    timeout_s: float = 600.0  # bound on every collective, so a dead rank cannot hang the others
+
+
+@dataclass
+class PrecisionConfig:
+    """Compute dtype. Parameters, gradients and optimizer state stay fp32 (the master weights)."""
+
+    dtype: str = "fp32"  # "fp32", "bf16" or "fp16"
+    init_scale: float = 65536.0  # fp16 only: dynamic loss scaling
+    growth_interval: int = 1000  # fp16: steps without overflow before the scale doubles
+    min_scale: float = 1.0
+
+
+@dataclass
+class EngineConfig:
+    """Who runs data parallelism and the optimizer step."""
+
+    kind: str = "ddp"  # "ddp" (torch DistributedDataParallel) or "deepspeed"
+    zero_stage: int = 1  # deepspeed only: 0, 1 or 2
+    bucket_cap_mb: float = 25.0  # ddp only
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up and a cosine (or constant) schedule."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # "cosine" or "constant"
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+
+
+@dataclass
+class DataConfig:
+    """Text for the language model. ``source=stdlib`` reads this Python's own standard library."""
+
+    source: str = "stdlib"  # "stdlib" or "files"
+    path: Optional[str] = None  # source=files: a directory (or file) of UTF-8 text
+    pattern: str = "**/*.py"  # files under the source directory that are read
+    max_corpus_mb: float = 24.0  # read at most this much text (sorted file order)
+    vocab_size: int = 32768  # byte-level BPE trained locally, cached
+    seq_len: int = 128
+    micro_batch_size: int = 8  # sequences per data-parallel rank per micro-step
+    grad_accum: int = 1  # micro-steps per optimizer step
+    val_fraction: float = 0.02  # share of files held out for evaluation
+    cache_dir: Optional[str] = None  # None: $BIGDENSE_CACHE or ~/.cache/bigdense
+
+
+@dataclass
+class TrainerConfig:
+    """The loop: how long, how often to log, evaluate and save."""
+
+    max_steps: int = 200
+    seed: int = 1234
+    log_interval: int = 10
+    eval_interval: int = 0  # 0: evaluate only at the end
+    eval_batches: int = 20
+    save_interval: int = 0  # 0: save only at the end
+    resume: bool = True  # continue from checkpoints/latest in the run directory if it exists
+    log_rms: bool = False  # also log the RMS of every dense layer's weights, activations, gradients
+    progress_bar: bool = True
+    plot: bool = True  # write loss_curve.png at the end
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "recompute": RecomputeConfig,
+    "parallel": ParallelConfig,
+    "precision": PrecisionConfig,
+    "engine": EngineConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "trainer": TrainerConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra's ConfigStore (``conf/config.yaml`` extends ``_train_schema``)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="_train_schema", node=TrainConfig)
+    for group, schema in GROUPS.items():
+        cs.store(group=group, name="_schema", node=schema)
+
+
+def _choice(key: str, value: Any, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
+
+
+def _positive(key: str, value, allow_zero: bool = False) -> None:
+    if value is None or value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def validate(cfg, world_size: int, device_type: str) -> None:
+    """Every check a person can act on, before any work. ``cfg`` is a TrainConfig or DictConfig."""
+    m, p, par = cfg.model, cfg.precision, cfg.parallel
+    _choice("model.name", m.name, ("gpt",))
+    _choice("model.activation", m.activation, ("gelu", "relu", "swiglu"))
+    _choice("recompute.mode", cfg.recompute.mode, ("none", "full", "mlp", "every_k"))
+    _choice("precision.dtype", p.dtype, ("fp32", "bf16", "fp16"))
+    _choice("engine.kind", cfg.engine.kind, ("ddp", "deepspeed"))
+    _choice("engine.zero_stage", cfg.engine.zero_stage, (0, 1, 2))
+    _choice("optim.name", cfg.optim.name, ("adamw",))
+    _choice("optim.schedule", cfg.optim.schedule, ("cosine", "constant"))
+    _choice("data.source", cfg.data.source, ("stdlib", "files"))
+    for key in ("model.d_model", "model.n_layers", "model.n_heads", "model.max_seq_len", "model.head_chunk_size",
+                "parallel.tp", "data.seq_len", "data.micro_batch_size", "data.grad_accum", "trainer.max_steps",
+                "trainer.log_interval", "optim.lr", "recompute.every"):
+        group, name = key.split(".")
+        _positive(key, getattr(getattr(cfg, group), name))
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")
+    if cfg.data.seq_len > m.max_seq_len:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+
+    tp = par.tp
+    if world_size % tp:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(
+            f"parallel.tp={tp} does not divide the number of processes ({world_size}); choose one of {divisors}"
+        )
+    dp = par.dp if par.dp is not None else world_size // tp
+    if tp * dp != world_size:
+        raise ConfigError(f"parallel.tp={tp} x parallel.dp={dp} = {tp * dp}, but {world_size} processes were launched")
+    if m.n_heads % tp:
+        ok = [d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]
+        raise ConfigError(f"parallel.tp={tp} must divide model.n_heads={m.n_heads} (heads are split over TP); "
+                          f"choose tp from {ok}")
+
+    if p.dtype == "bf16" and device_type == "cuda":
+        import torch
+
+        if not torch.cuda.is_bf16_supported():
+            raise ConfigError("precision=bf16: this GPU has no bf16 support; use precision=fp16")
+    if p.dtype == "fp16" and cfg.engine.kind == "deepspeed" and device_type == "cpu":
+        raise ConfigError("precision=fp16 with engine=deepspeed needs a GPU: DeepSpeed's CPU accelerator has no "
+                          "fp16 support; use precision=bf16, or engine=ddp")
+    if cfg.data.source == "files":
+        path = cfg.data.path
+        if not path:
+            raise ConfigError("data.source=files needs data.path (a directory or file of text)")
+        if not os.path.exists(os.path.expanduser(str(path))):
+            raise ConfigError(f"data.path={path!r} does not exist")
