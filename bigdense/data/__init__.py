@@ -1,0 +1,17 @@
+"""Training text: a local corpus, a locally trained byte-level BPE, cached token arrays, and batches
+that are pure functions of the training step.
+
+    data = prepare_data(cfg.data, ctx, seed=cfg.trainer.seed)
+    x, y = data.train_batch(step, micro_step)      # (micro_batch_size, seq_len) int64 each
+    evals = data.val_batches(cfg.trainer.eval_batches)
+"""
+from .batches import BatchSampler, eval_batches
+from .cache import cache_root
+from .corpus import list_files, read_corpus, split_files
+from .prepare import Data, prepare_data
+from .tokenizer import EOT, BPETokenizer, token_dtype
+
+__all__ = [
+    "prepare_data", "Data", "BPETokenizer", "BatchSampler", "eval_batches", "list_files", "read_corpus",
+    "split_files", "cache_root", "token_dtype", "EOT",
+]

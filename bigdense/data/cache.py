@@ -1,0 +1,147 @@
+"""The on-disk cache of a prepared corpus: tokenizer, token arrays and a manifest.
+
+One folder per fingerprint of everything that determines its contents. A build writes a private
+temporary folder and renames it into place as its last act, so a folder under the final name is
+always complete; an interrupted build leaves only a ``.partial-*`` folder, which is never loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .corpus import CorpusFile, read_corpus
+from .tokenizer import BPETokenizer, library_version
+
+# Bump when the contents of a cache folder change meaning (tokenizer options, array layout, ...).
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def cache_root(cache_dir: str | None) -> Path:
+    """``data.cache_dir``, else ``$BIGDENSE_CACHE``, else ``~/.cache/bigdense``."""
+    root = cache_dir or os.environ.get("BIGDENSE_CACHE") or Path.home() / ".cache" / "bigdense"
+    return Path(root).expanduser()
+
+
+def fingerprint(source: str, root: Path, files: Sequence[CorpusFile], vocab_size: int, val_fraction: float) -> str:
+    """Hex digest of the inputs of a build. Files count by relative path and size (not contents, not
+    mtime), so identical installs on different machines agree; a file edited in place to the same
+    size is not noticed. ``files`` of a ``files`` source are also keyed by their directory."""
+    doc = {
+        "format": FORMAT_VERSION,
+        "tokenizers": library_version(),
+        "source": source,
+        # The stdlib is identified by its version, so it may live at different paths on different machines.
+        "where": platform.python_version() if source == "stdlib" else str(root),
+        "files": [[f.rel, f.size, f.take] for f in files],
+        "vocab_size": vocab_size,
+        "val_fraction": val_fraction,
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def cache_path(cache_dir: str | None, source: str, key: str) -> Path:
+    return cache_root(cache_dir) / "data" / f"{source}-{key[:20]}"
+
+
+@dataclass
+class Loaded:
+    """A cache folder opened for reading; the arrays are read-only memory maps."""
+
+    tokenizer: BPETokenizer
+    train: np.ndarray
+    val: np.ndarray
+    manifest: dict
+
+
+def load(path: Path, key: str, vocab_size: int) -> Loaded | None:
+    """The cache at ``path``, or None when it is absent, of another key, or inconsistent."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        if manifest.get("key") != key:
+            return None
+        train = np.load(path / "train.npy", mmap_mode="r")
+        val = np.load(path / "val.npy", mmap_mode="r")
+        if (len(train), len(val)) != (manifest["train_tokens"], manifest["val_tokens"]):
+            return None
+        tokenizer = BPETokenizer.load(path / "tokenizer.json", vocab_size)
+    except Exception:  # any unreadable or inconsistent folder is a miss, to be rebuilt
+        return None
+    return Loaded(tokenizer, train, val, manifest)
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in (*path.iterdir(), path):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def build(path: Path, key: str, files: Sequence[CorpusFile], vocab_size: int, val_fraction: float) -> dict:
+    """Read, train, encode and publish the cache at ``path``; returns the manifest.
+
+    Safe against a concurrent builder of the same key (the first rename wins, the other result is
+    dropped) and against interruption (nothing appears under ``path`` until it is complete).
+    """
+    t0 = time.perf_counter()
+    corpus = read_corpus(files, val_fraction)
+    if not corpus.train:
+        raise ValueError("no training text: every file of the training split is empty or not UTF-8")
+    tokenizer = BPETokenizer.train(corpus.train, vocab_size)
+    train = tokenizer.encode_documents(corpus.train)
+    val = tokenizer.encode_documents(corpus.val)
+    manifest = {
+        "key": key,
+        "files": len(files),
+        "train_files": len(corpus.train),
+        "val_files": len(corpus.val),
+        "skipped": corpus.skipped,
+        "bytes": corpus.n_bytes,
+        "train_tokens": int(len(train)),
+        "val_tokens": int(len(val)),
+        "vocab_size": vocab_size,
+        "trained_vocab_size": tokenizer.trained_vocab_size,
+        "tokenizers": library_version(),
+        "build_s": round(time.perf_counter() - t0, 2),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    try:
+        tokenizer.save(tmp / "tokenizer.json")
+        np.save(tmp / "train.npy", train)
+        np.save(tmp / "val.npy", val)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _fsync_tree(tmp)
+        _publish(tmp, path, key, vocab_size)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return manifest
+
+
+def _publish(tmp: Path, path: Path, key: str, vocab_size: int) -> None:
+    try:
+        os.rename(tmp, path)
+        return
+    except OSError:
+        if not path.exists():
+            raise
+    if load(path, key, vocab_size) is not None:
+        return  # another builder got there first with the same inputs
+    # A broken folder under the final name (not made by `build`): move it aside, then publish.
+    stale = path.with_name(f".{path.name}.stale-{os.getpid()}-{secrets.token_hex(4)}")
+    os.rename(path, stale)
+    shutil.rmtree(stale, ignore_errors=True)
+    os.rename(tmp, path)

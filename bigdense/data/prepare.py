@@ -1,0 +1,176 @@
+"""`prepare_data`: one rank builds the cache when it is missing, every rank then memory-maps it."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+from . import cache
+from .batches import BatchSampler, _check_length, eval_batches
+from .corpus import list_files
+from .tokenizer import MIN_VOCAB, BPETokenizer
+
+
+@dataclass
+class Data:
+    """The prepared corpus of one run.
+
+    ``train_tokens``/``val_tokens`` are read-only 1-D memory maps (uint16, or uint32 above 65536
+    entries), documents separated by ``tokenizer.eot_id``; no file contributes to both.
+    """
+
+    tokenizer: BPETokenizer
+    train_tokens: np.ndarray
+    val_tokens: np.ndarray
+    seq_len: int
+    micro_batch_size: int
+    seed: int
+    dp_rank: int
+    dp_size: int
+    cache_path: Path
+    manifest: dict
+    built: bool  # this process built the cache (else it was found)
+    load_s: float
+
+    def __post_init__(self):
+        self._sampler = BatchSampler(self.train_tokens, self.seq_len, self.micro_batch_size, self.seed)
+        _check_length(self.val_tokens, self.seq_len, "validation")  # now, not at the first evaluation
+
+    def train_batch(self, step: int, micro_step: int = 0, dp_rank: Optional[int] = None,
+                    dp_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)`` int64 of shape ``(micro_batch_size, seq_len)``: rows
+        `batch_rows` of the global batch of ``(step, micro_step)``, which depends only on those and
+        the seed. ``dp_rank``/``dp_size`` default to this process's."""
+        dp_rank, dp_size = self._dp(dp_rank, dp_size)
+        return self._sampler.batch(step, micro_step, dp_rank, dp_size)
+
+    def val_batches(self, n: int, dp_rank: Optional[int] = None,
+                    dp_size: Optional[int] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``n`` held-out batches, shaped as `train_batch`'s; the same on every call and every seed."""
+        dp_rank, dp_size = self._dp(dp_rank, dp_size)
+        return eval_batches(self.val_tokens, n, self.seq_len, self.micro_batch_size, dp_rank, dp_size)
+
+    def batch_rows(self, dp_rank: Optional[int] = None, dp_size: Optional[int] = None) -> tuple[int, int]:
+        """``(start, total)``: this rank's rows within the global micro-batch (for `bd.batch_slice`)."""
+        dp_rank, dp_size = self._dp(dp_rank, dp_size)
+        return dp_rank * self.micro_batch_size, dp_size * self.micro_batch_size
+
+    def describe(self) -> str:
+        m = self.manifest
+        how = f"built in {m['build_s']:.1f} s" if self.built else f"loaded in {self.load_s:.2f} s (built in {m['build_s']:.1f} s)"
+        skipped = f", {len(m['skipped'])} not UTF-8 skipped" if m["skipped"] else ""
+        return (
+            f"{m['files']} files, {m['bytes'] / 1e6:.1f} MB ({m['train_files']} train / {m['val_files']} held out{skipped}); "
+            f"{len(self.train_tokens):,} train + {len(self.val_tokens):,} val tokens; "
+            f"vocab {self.tokenizer.vocab_size} ({self.tokenizer.trained_vocab_size} trained); "
+            f"cache {self.cache_path}, {how}"
+        )
+
+    def _dp(self, dp_rank, dp_size):
+        return (self.dp_rank if dp_rank is None else dp_rank), (self.dp_size if dp_size is None else dp_size)
+
+
+def _validate(cfg) -> None:
+    if cfg.source not in ("stdlib", "files"):
+        raise ConfigError(f"data.source={cfg.source!r} is not one of ['stdlib', 'files']")
+    if not MIN_VOCAB <= cfg.vocab_size <= 1 << 32:
+        raise ConfigError(f"data.vocab_size must be in [{MIN_VOCAB}, 2**32] (256 bytes and end-of-text), got {cfg.vocab_size}")
+    if not 0.0 < cfg.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.val_fraction}")
+    for key in ("max_corpus_mb", "seq_len", "micro_batch_size"):
+        if not getattr(cfg, key) > 0:
+            raise ConfigError(f"data.{key} must be > 0, got {getattr(cfg, key)!r}")
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _local_rank(rank: int) -> int:
+    for var in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return rank
+
+
+def _everywhere(selected: bool, fn: Callable[[], None], rank: int) -> None:
+    """Run ``fn`` on the selected ranks while the others wait; if it fails anywhere, every rank
+    raises (an exchange of error messages is the barrier, so no rank is left waiting on a dead one)."""
+    error: Optional[BaseException] = None
+    if selected:
+        try:
+            fn()
+        except Exception as e:  # re-raised below, after the other ranks have heard of it
+            error = e
+    if _distributed():
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, None if error is None else f"rank {rank}: {type(error).__name__}: {error}")
+        if error is None and any(messages):
+            raise RuntimeError("data preparation failed on another rank: " + next(m for m in messages if m))
+    if error is not None:
+        raise error
+
+
+def prepare_data(cfg, ctx=None, *, seed: int = 0) -> Data:
+    """Build (once, on the main rank) or find the cache for ``cfg`` (a `DataConfig` or the ``data``
+    node of a Hydra config), then memory-map it on every rank.
+
+    ``seed`` fixes the training batches (pass ``trainer.seed``). Every rank must call this together
+    when torch.distributed is initialised. If the cache folder is not shared between machines, the
+    first rank of each machine (``LOCAL_RANK`` 0) builds its own copy, which is identical because
+    training is deterministic. All ranks must see the same files, or every rank raises.
+    """
+    from ..parallel.context import get_default_context
+
+    _validate(cfg)
+    ctx = ctx if ctx is not None else get_default_context()
+    t0 = time.perf_counter()
+    try:
+        root, files = list_files(cfg.source, cfg.path, cfg.pattern, cfg.max_corpus_mb)
+        key = cache.fingerprint(cfg.source, root, files, cfg.vocab_size, cfg.val_fraction)
+    except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then re-raised
+        if not _distributed():
+            raise
+        key, error = None, e
+    else:
+        error = None
+    if _distributed():  # agree on the corpus; a rank that cannot see it stops them all
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, (key, None if error is None else str(error)))
+        if error is not None:
+            raise error
+        problems = [f"rank {r}: {msg}" for r, (_, msg) in enumerate(found) if msg]
+        if problems:
+            raise RuntimeError(problems[0])
+        if len({k for k, _ in found}) > 1:
+            raise ConfigError(
+                f"the ranks see different corpora for data.source={cfg.source!r} (data.path={cfg.path!r}): "
+                "every machine needs the same files"
+            )
+    path = cache.cache_path(cfg.cache_dir, cfg.source, key)
+
+    built = []
+
+    def build_if_missing() -> None:
+        if cache.load(path, key, cfg.vocab_size) is None:
+            cache.build(path, key, files, cfg.vocab_size, cfg.val_fraction)
+            built.append(True)
+
+    _everywhere(ctx.is_main, build_if_missing, ctx.rank)
+    if _distributed():  # a cache folder local to each machine: its first rank builds it too
+        _everywhere(_local_rank(ctx.rank) == 0 and not ctx.is_main, build_if_missing, ctx.rank)
+    loaded = cache.load(path, key, cfg.vocab_size)
+    if loaded is None:
+        raise RuntimeError(f"the data cache {path} is missing or unreadable right after it was built")
+    return Data(
+        tokenizer=loaded.tokenizer, train_tokens=loaded.train, val_tokens=loaded.val, seq_len=cfg.seq_len,
+        micro_batch_size=cfg.micro_batch_size, seed=seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
+        cache_path=path, manifest=loaded.manifest, built=bool(built), load_s=time.perf_counter() - t0,
+    )
