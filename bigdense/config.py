@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omegaconf import MISSING
 
 
 class ConfigError(ValueError):
@@ -49,7 +48,7 @@ class RecomputeConfig:
 class ParallelConfig:
     """The process mesh: ``tp * dp`` must equal the number of processes."""
 
-    tp: int = 2
+    tp: Optional[int] = None  # None: every process in one TP group (2 under the default torchrun, 1 alone)
     dp: Optional[int] = None  # None: world_size // tp
     backend: Optional[str] = None  # None: nccl on CUDA, gloo on CPU
     timeout_s: float = 600.0  # bound on every collective, so a dead rank cannot hang the others
@@ -145,10 +144,28 @@ GROUPS = {
 }
 
 
-def register_configs() -> None:
-    """Register the schemas with Hydra's ConfigStore (``conf/config.yaml`` extends ``_train_schema``)."""
-    from hydra.core.config_store import ConfigStore
+def run_dir_name() -> str:
+    """The run directory's name, the same on every rank of one launch and across its restarts.
 
+    Under torchrun it is the rendezvous id (``--standalone`` makes a fresh one per launch, and
+    restarts after a crash keep it, so a restarted job finds its own checkpoints); alone, the time.
+    """
+    import time
+
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id != "none":
+        return time.strftime("%Y-%m-%d") + "/torchrun-" + run_id[:12]
+    return time.strftime("%Y-%m-%d/%H-%M-%S")
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra's ConfigStore (``conf/config.yaml`` extends ``_train_schema``)
+    and the ``bd_run_dir`` resolver the run directory uses."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("bd_run_dir"):
+        OmegaConf.register_new_resolver("bd_run_dir", run_dir_name, use_cache=True)
     cs = ConfigStore.instance()
     cs.store(name="_train_schema", node=TrainConfig)
     for group, schema in GROUPS.items():
@@ -178,7 +195,7 @@ def validate(cfg, world_size: int, device_type: str) -> None:
     _choice("optim.schedule", cfg.optim.schedule, ("cosine", "constant"))
     _choice("data.source", cfg.data.source, ("stdlib", "files"))
     for key in ("model.d_model", "model.n_layers", "model.n_heads", "model.max_seq_len", "model.head_chunk_size",
-                "parallel.tp", "data.seq_len", "data.micro_batch_size", "data.grad_accum", "trainer.max_steps",
+                "data.seq_len", "data.micro_batch_size", "data.grad_accum", "trainer.max_steps",
                 "trainer.log_interval", "optim.lr", "recompute.every"):
         group, name = key.split(".")
         _positive(key, getattr(getattr(cfg, group), name))
@@ -189,7 +206,9 @@ def validate(cfg, world_size: int, device_type: str) -> None:
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
 
-    tp = par.tp
+    tp = par.tp if par.tp is not None else world_size
+    if not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"parallel.tp must be a positive integer or null, got {tp!r}")
     if world_size % tp:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ConfigError(

@@ -32,7 +32,12 @@ class RankError(RuntimeError):
     """A rank raised, crashed or ran out of time; the message holds its traceback."""
 
 
-def _rank_main(rank, world_size, port, fn, args, kwargs, conn, init_process_group, collective_timeout, env):
+def _rank_main(rank, world_size, port, fn, args, kwargs, conn, init_process_group, collective_timeout, env, gate):
+    # Wait until every rank is forked: a rank forked while the parent's store thread serves an
+    # earlier rank's connection can inherit glibc's resolver lock held, and then hangs forever in
+    # getnameinfo when it connects to the store itself.
+    if not gate.wait(collective_timeout):
+        os._exit(1)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -80,6 +85,7 @@ def run_ranks(
     method = start_method or os.environ.get("BIGDENSE_START_METHOD", "fork")
     ctx = mp.get_context(method)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    gate = ctx.Event()
     procs, pending = [], {}
     results: list[Any] = [None] * world_size
     failures: dict[int, str] = {}
@@ -89,13 +95,14 @@ def run_ranks(
             proc = ctx.Process(
                 target=_rank_main,
                 args=(rank, world_size, store.port, fn, args, kwargs, child_end,
-                      init_process_group, collective_timeout, dict(env or {})),
+                      init_process_group, collective_timeout, dict(env or {}), gate),
                 daemon=True,
             )
             proc.start()
             child_end.close()
             procs.append(proc)
             pending[parent_end] = rank
+        gate.set()
         deadline = time.monotonic() + timeout
         while pending:
             remaining = deadline - time.monotonic()

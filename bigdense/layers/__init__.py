@@ -1,6 +1,12 @@
 """Tensor-parallel layers and their initialisers."""
 from .base import TensorParallelModule, materialize
+from .embedding import VocabParallelEmbedding
+from .head import ParallelClassifierHead, tie_weights
 from .init import INITIALIZERS, Initializer
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .mlp import ParallelMLP
 
-__all__ = ["TensorParallelModule", "materialize", "Initializer", "INITIALIZERS", "ColumnParallelLinear", "RowParallelLinear"]
+__all__ = [
+    "TensorParallelModule", "materialize", "Initializer", "INITIALIZERS", "ColumnParallelLinear", "RowParallelLinear",
+    "ParallelMLP", "VocabParallelEmbedding", "ParallelClassifierHead", "tie_weights",
+]

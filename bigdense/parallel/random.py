@@ -100,6 +100,12 @@ def batch_slice(start: int, total: int):
         _batch_slice = previous
 
 
+def current_batch_slice() -> tuple[int, int] | None:
+    """``(start, total)`` of the innermost `batch_slice`, or None outside one (activation
+    checkpointing re-enters it for the recompute, which runs later, during backward)."""
+    return _batch_slice
+
+
 def tp_dropout(
     x: torch.Tensor,
     p: float,

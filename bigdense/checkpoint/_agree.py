@@ -1,0 +1,68 @@
+"""Every rank learns of every rank's failure: the collective step that keeps checkpoints from hanging.
+
+A save or load is a sequence of local phases separated by `agree` calls. Each phase runs in a
+try block; `agree` then exchanges one short error string per rank over the world group. If any
+rank failed, every rank raises the same `CheckpointError` (naming the first failing rank), so no
+rank waits in a collective for a peer that gave up, and no rank goes on to modify the model while
+another refuses the checkpoint.
+"""
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from .format import CheckpointError
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def world_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def agree(what: str, fn: Callable[[], Any], *, gather: bool = False) -> Any:
+    """Run ``fn()`` here; raise on every rank if it raised on any.
+
+    Returns ``fn()``'s result, or with ``gather=True`` every rank's result in rank order (the
+    results travel with the error strings, in the same collective).
+    """
+    local: Optional[BaseException] = None
+    message = None
+    result = None
+    try:
+        result = fn()
+    except CheckpointError as exc:
+        local, message = exc, str(exc)
+    except Exception as exc:  # noqa: BLE001 - an unexpected failure must reach the other ranks too
+        local = exc
+        message = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    exchanged = all_gather_objects((message, result if gather else None))
+    messages = [m for m, _ in exchanged]
+    failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
+    if failed:
+        first_rank, first_message = failed[0]
+        others = [rank for rank, _ in failed[1:]]
+        also = f" (ranks {others} failed too)" if others else ""
+        where = f" on rank {first_rank} of {len(messages)}{also}" if len(messages) > 1 else ""
+        raise CheckpointError(f"{what} failed{where}: {first_message}") from local
+    return [r for _, r in exchanged] if gather else result

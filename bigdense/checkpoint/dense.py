@@ -1,0 +1,149 @@
+"""Plain PyTorch interop: export a checkpoint as one unsharded file, import a dense state dict.
+
+bigdense layers keep ``nn.Linear``/``nn.Embedding`` parameter names (``weight``, ``bias``), and
+`parallelize` keeps module paths, so the global tensors of a checkpoint carry exactly the names of
+the plain PyTorch twin of the model: the exported file loads into it with ``load_state_dict``.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping, Optional, Union
+
+import torch
+
+from ._agree import agree
+from .format import (
+    FORMAT_NAME, CheckpointError, SafetensorsReader, check_files, dtype_from_code, narrow_box,
+    read_manifest, resolve_checkpoint, write_safetensors,
+)
+from .state import DeepSpeedOptimizer, current_context, model_pieces, unwrap
+
+
+def export_dense(ckpt_path, out_file, *, dtype: Optional[torch.dtype] = None, verify: bool = True) -> Path:
+    """Write the model of checkpoint ``ckpt_path`` as ONE unsharded safetensors file ``out_file``.
+
+    Offline: one process, no process group, any saved layout. Names are the plain module names
+    (tied weights appear under each of their names, as ``nn.Module.state_dict`` lists them), so
+    ``plain_model.load_state_dict(safetensors.torch.load_file(out_file))`` works. Each global tensor
+    is assembled from the shard files on disk and written before the next one is built: memory is
+    O(largest tensor). Shard checksums are verified (``verify``). ``dtype`` casts floating-point
+    tensors (e.g. ``torch.bfloat16`` for a smaller file). The file appears atomically.
+    """
+    ckpt = resolve_checkpoint(ckpt_path)
+    manifest = read_manifest(ckpt)
+    tensors = manifest["tensors"]
+    names = {k[len("model/"):]: k for k in tensors if k.startswith("model/")}
+    check_files(ckpt, manifest, sorted({s["file"] for k in names.values() for s in tensors[k]["shards"]}))
+    names.update({alias: f"model/{target}" for alias, target in manifest.get("aliases", {}).items()})
+    ordered = sorted(names)
+
+    def out_dtype(entry):
+        stored = dtype_from_code(entry["dtype"])
+        return dtype if dtype is not None and stored.is_floating_point else stored
+
+    readers: dict[str, SafetensorsReader] = {}
+
+    def assemble(name: str) -> torch.Tensor:
+        entry = tensors[names[name]]
+        full = torch.empty(entry["global_shape"], dtype=out_dtype(entry))
+        for shard in entry["shards"]:
+            if shard["file"] not in readers:
+                readers[shard["file"]] = SafetensorsReader(ckpt / shard["file"])
+            reader = readers[shard["file"]]
+            if verify and reader.sha256(shard["name"]) != shard["sha256"]:
+                raise CheckpointError(
+                    f"{ckpt / shard['file']}: tensor {shard['name']!r} fails its checksum (corrupted file)"
+                )
+            narrow_box(full, [0] * full.dim(), shard["offsets"], shard["shape"]).copy_(reader.view(shard["name"]))
+        return full
+
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(f".{out_file.name}.tmp-{os.getpid()}")
+    try:
+        layout = [(n, out_dtype(tensors[names[n]]), tensors[names[n]]["global_shape"]) for n in ordered]
+        write_safetensors(tmp, layout, assemble, {"format": "pt", "source": f"{FORMAT_NAME}:{ckpt.name}"})
+        os.replace(tmp, out_file)
+    finally:
+        for reader in readers.values():
+            reader.close()
+        tmp.unlink(missing_ok=True)
+    return out_file
+
+
+def load_dense_state_dict(
+    model,
+    state_dict: Union[Mapping[str, torch.Tensor], str, os.PathLike],
+    *,
+    strict: bool = True,
+    optimizer=None,
+) -> list[str]:
+    """Load a plain (unsharded) state dict into a sharded model: each rank copies its own slice.
+
+    ``state_dict``: a mapping of full tensors (``plain_model.state_dict()``), or the path of a
+    safetensors file (such as `export_dense` writes), which is memory-mapped so each rank reads only
+    its own slices. Names are the plain model's; sharded parameters take their slice per the
+    layers' ``bd_shard_specs()``, replicated ones the whole tensor. ``model`` may be an
+    ``nn.Module``, a DDP wrapper or a DeepSpeedEngine; with DeepSpeed (the engine, or its
+    ``optimizer`` passed here) the fp32 master weights are set to the loaded values too.
+
+    Collective when distributed (every rank calls it): names and global shapes are checked on every
+    rank and agreed on before any parameter changes. ``strict``: the names must match exactly.
+    Returns the model tensors not found (empty when ``strict``).
+    """
+    module, engine = unwrap(model)
+    if engine is not None:
+        optimizer = engine.optimizer
+    ctx = current_context()
+    source = str(state_dict) if isinstance(state_dict, (str, os.PathLike)) else "the state dict"
+
+    def plan():
+        reader = SafetensorsReader(state_dict) if isinstance(state_dict, (str, os.PathLike)) else None
+        try:
+            keys = set(reader.header) if reader is not None else set(state_dict)
+            model_state = model_pieces(module, ctx.tp_rank, ctx.tp_size)
+            sources, missing = {}, []
+            for name, piece in model_state.pieces.items():
+                found = [n for n in [name, *[a for a, t in model_state.aliases.items() if t == name]] if n in keys]
+                if not found:
+                    missing.append(name)
+                    continue
+                shape = reader.describe(found[0])[1] if reader is not None else tuple(state_dict[found[0]].shape)
+                if tuple(shape) != piece.global_shape:
+                    raise CheckpointError(
+                        f"{source}: tensor {found[0]!r} has shape {list(shape)}, the model needs the global shape "
+                        f"{list(piece.global_shape)}"
+                    )
+                sources[name] = found[0]
+            known = set(model_state.pieces) | set(model_state.aliases)
+            unexpected = sorted(keys - known)
+            if strict and (missing or unexpected):
+                raise CheckpointError(
+                    f"{source} does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
+                )
+        except BaseException:
+            if reader is not None:
+                reader.close()
+            raise
+        return reader, model_state, sources, missing
+
+    reader, model_state, sources, missing = agree(f"load_dense_state_dict({source})", plan)
+
+    def apply():
+        try:
+            with torch.no_grad():
+                for name, key in sources.items():
+                    piece = model_state.pieces[name]
+                    full = reader.view(key) if reader is not None else state_dict[key]
+                    zero = [0] * full.dim()
+                    piece.tensor.copy_(narrow_box(full, zero, piece.offsets, piece.shape))
+        finally:
+            if reader is not None:
+                reader.close()
+        if optimizer is not None and DeepSpeedOptimizer.wraps(optimizer):
+            DeepSpeedOptimizer(optimizer).load(model_state, None, {})
+
+    agree(f"load_dense_state_dict({source}): applying", apply)
+    return missing
+

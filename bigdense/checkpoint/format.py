@@ -1,0 +1,335 @@
+"""The on-disk format: one directory per checkpoint, safetensors shard files, a JSON manifest.
+
+    step_1000/
+      manifest.json                   written last; its presence marks the directory complete
+      model-tp00-of-02.safetensors    model tensors held by TP rank 0 (written by DP rank 0 only)
+      optim-tp00-of-02.safetensors    optimizer tensors (Adam moments, step counters) likewise
+      common.pt                       replicated non-tensor state: optimizer hyper-parameters,
+                                      scheduler, loss scaler (torch.save, loaded weights_only)
+      rank00000.pt ...                per-rank state: RNG states and ``extra``
+    latest                            beside the checkpoints: the name of the last complete one
+
+Every stored tensor is a box of its global tensor: ``offsets`` and ``shape`` in global
+coordinates. A sharded parameter has one box per TP rank (bigdense's balanced split, uneven
+included); a replicated one has a single box covering it all. A reader at another layout copies
+the intersection of each stored box with the box it needs, so resharding is a box-overlap
+question and nothing depends on how the writer split the tensor.
+
+This module is free of process groups: the offline tools (`export_dense`) use it alone.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import mmap
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+FORMAT_NAME = "bigdense.checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+COMMON = "common.pt"
+LATEST = "latest"
+
+_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+_FROM_CODE = {code: dtype for dtype, code in _DTYPES.items()}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; the message names the file and the tensor."""
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"dtype {dtype} cannot be stored in a safetensors file")
+    return _DTYPES[dtype]
+
+
+def dtype_from_code(code: str) -> torch.dtype:
+    if code not in _FROM_CODE:
+        raise CheckpointError(f"unknown safetensors dtype {code!r}")
+    return _FROM_CODE[code]
+
+
+def shard_file_name(kind: str, tp_rank: int, tp_size: int) -> str:
+    """``model-tp01-of-04.safetensors``: the file of ``kind`` written by TP rank ``tp_rank``."""
+    return f"{kind}-tp{tp_rank:02d}-of-{tp_size:02d}.safetensors"
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank{rank:05d}.pt"
+
+
+def _raw_bytes(tensor: torch.Tensor):
+    """A zero-copy byte view of a contiguous CPU tensor (0-d and empty tensors included)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+def fsync_dir(path) -> None:
+    """Make a directory's entries (created or renamed files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_durably(path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_text_durably(path, text: str, tmp_suffix: str) -> None:
+    """Atomically replace ``path`` by a file holding ``text`` (temporary name, fsync, rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{tmp_suffix}")
+    write_bytes_durably(tmp, text.encode())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_safetensors(
+    path,
+    layout: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+    produce: Callable[[str], torch.Tensor],
+    metadata: Optional[dict] = None,
+) -> dict:
+    """Write a safetensors file one tensor at a time and fsync it; return ``{name: sha256}``.
+
+    ``layout`` lists ``(name, dtype, shape)`` in file order (the header comes first);
+    ``produce(name)`` returns each tensor when its turn comes, so only one tensor's CPU copy is
+    alive at a time -- `export_dense` assembles full tensors this way in O(largest tensor) memory.
+    """
+    header, offset = {}, 0
+    for name, dtype, shape in layout:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": dtype_code(dtype), "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    digests = {}
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, dtype, shape in layout:
+            t = produce(name)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} is {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}"
+                )
+            data = _raw_bytes(t.detach().to("cpu").contiguous())
+            digests[name] = hashlib.sha256(data).hexdigest()
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return digests
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+class SafetensorsReader:
+    """Zero-copy access to the tensors of one safetensors file through ``mmap``.
+
+    `view(name)` is a tensor over the mapped bytes: slicing it and copying the slice out reads only
+    the pages that slice touches, so a resharding load costs O(the overlap), not O(the stored shard).
+    The mapping is copy-on-write, so nothing a caller does can reach the file.
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            self._file = open(self.path, "rb")
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.path}: shard file is missing") from None
+        try:
+            size = os.fstat(self._file.fileno()).st_size
+            if size < 8:
+                raise CheckpointError(f"{self.path}: file is truncated ({size} bytes, no safetensors header)")
+            (header_len,) = struct.unpack("<Q", self._file.read(8))
+            if 8 + header_len > size:
+                raise CheckpointError(
+                    f"{self.path}: file is truncated (header claims {header_len} bytes, file has {size})"
+                )
+            try:
+                self.header = json.loads(self._file.read(header_len))
+            except ValueError as exc:
+                raise CheckpointError(f"{self.path}: corrupted safetensors header ({exc})") from None
+            self.header.pop("__metadata__", None)
+            self._base = 8 + header_len
+            self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY) if size > 0 else None
+            self._size = size
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _entry(self, name: str):
+        if name not in self.header:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not in this file (missing shard)")
+        entry = self.header[name]
+        begin, end = entry["data_offsets"]
+        if self._base + end > self._size:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} ends at byte {self._base + end} but the file has "
+                f"{self._size} bytes (truncated)"
+            )
+        return entry, self._base + begin, self._base + end
+
+    def describe(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        entry, _, _ = self._entry(name)
+        return dtype_from_code(entry["dtype"]), tuple(entry["shape"])
+
+    def sha256(self, name: str) -> str:
+        _, begin, end = self._entry(name)
+        return hashlib.sha256(memoryview(self._mm)[begin:end]).hexdigest()
+
+    def view(self, name: str) -> torch.Tensor:
+        entry, begin, end = self._entry(name)
+        dtype, shape = dtype_from_code(entry["dtype"]), tuple(entry["shape"])
+        if end == begin:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(memoryview(self._mm)[begin:end], dtype=dtype).view(shape)
+
+    def close(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a view is still alive somewhere; the GC unmaps it later
+                pass
+        self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# boxes: where a stored piece sits in its global tensor
+
+
+def box_overlap(a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[int], b_shape: Sequence[int]):
+    """The intersection of two boxes as ``(offsets, shape)``, or ``None`` if it is empty."""
+    lo = [max(x, y) for x, y in zip(a_off, b_off)]
+    hi = [min(x + n, y + m) for x, n, y, m in zip(a_off, a_shape, b_off, b_shape)]
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return lo, [h - l for l, h in zip(lo, hi)]
+
+
+def narrow_box(t: torch.Tensor, t_off: Sequence[int], off: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+    """The part of ``t`` (which sits at ``t_off`` in global coordinates) covering the box ``off/shape``."""
+    for d, (o, to, n) in enumerate(zip(off, t_off, shape)):
+        t = t.narrow(d, o - to, n)
+    return t
+
+
+def volume(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# locating a checkpoint
+
+
+def resolve_checkpoint(path) -> Path:
+    """The checkpoint directory ``path`` names: the directory itself, or what a ``latest`` pointer says.
+
+    ``path`` may be a checkpoint directory, a pointer file (``runs/x/latest``) or a directory of
+    checkpoints that holds a ``latest`` pointer (``runs/x``).
+    """
+    path = Path(path)
+    if path.is_dir() and not (path / MANIFEST).exists() and (path / LATEST).is_file():
+        path = path / LATEST
+    if path.is_file():
+        name = path.read_text().strip()
+        if not name or "/" in name or name in (".", ".."):
+            raise CheckpointError(f"{path}: not a checkpoint pointer (expected the name of a checkpoint directory)")
+        target = path.parent / name
+        if not target.is_dir():
+            raise CheckpointError(f"{path} names checkpoint {name!r}, but {target} does not exist")
+        path = target
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory or pointer file")
+    if path.name.startswith(".") and (".tmp-" in path.name or ".old-" in path.name):
+        raise CheckpointError(f"{path} is the temporary directory of an unfinished save, not a checkpoint")
+    if not (path / MANIFEST).is_file():
+        raise CheckpointError(
+            f"{path} is not a complete bigdense checkpoint: it has no {MANIFEST} "
+            f"(an interrupted save leaves such a directory; load an earlier checkpoint or `latest`)"
+        )
+    return path
+
+
+def read_manifest(ckpt_dir: Path) -> dict:
+    """The manifest of a checkpoint directory, checked for format and version."""
+    path = Path(ckpt_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: corrupted manifest ({exc})") from None
+    if manifest.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{path}: not a bigdense checkpoint manifest (format={manifest.get('format')!r})")
+    if manifest.get("version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format version {manifest['version']} is newer than this bigdense reads ({FORMAT_VERSION})"
+        )
+    return manifest
+
+
+def check_files(ckpt_dir: Path, manifest: dict, names: Optional[Iterable[str]] = None) -> None:
+    """The files ``names`` (default: all the manifest lists) exist with the size they were written
+    with, and the small pickled ones with their checksum: catches missing and truncated files
+    before anything is read. A loading rank checks only the files it reads, so no rank touches
+    every other rank's files."""
+    for name in manifest["files"] if names is None else names:
+        info = manifest["files"].get(name)
+        path = Path(ckpt_dir) / name
+        if info is None:
+            raise CheckpointError(f"{path}: not listed in the manifest (saved at a different layout?)")
+        held = [k for k, e in manifest["tensors"].items() if any(s["file"] == name for s in e["shards"])]
+        holds = f" (it holds {', '.join(held[:4])}{', ...' if len(held) > 4 else ''})" if held else ""
+        if not path.is_file():
+            raise CheckpointError(f"{path}: file listed in the manifest is missing{holds}")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(
+                f"{path}: expected {info['bytes']} bytes, found {size} (truncated or overwritten){holds}"
+            )
+        if "sha256" in info and file_sha256(path) != info["sha256"]:
+            raise CheckpointError(f"{path}: checksum mismatch (corrupted)")
+
+
+def load_pickled(path: Path):
+    """A small state file written with torch.save; loaded with ``weights_only`` (no code runs)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
+        raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from None

@@ -1,0 +1,251 @@
+"""`parallelize`: turn the dense layers of an existing ``nn.Module`` into bigdense layers, in place.
+
+Module paths and parameter names do not change, so a parallelized model's checkpoints export to
+(and import from) the original plain model's state dict.
+
+What is converted automatically (``plan=None``), and why nothing else is:
+
+* ``nn.Linear -> element-wise modules -> nn.Linear`` runs inside an ``nn.Sequential`` (any number
+  of activations, ``nn.Dropout``, ``nn.Identity`` between them, or none): column, then row. Between the two the hidden
+  features are sharded, which is exactly what element-wise modules tolerate; a norm or softmax in
+  between would not, so such pairs are left alone.
+* ``linear1``/``linear2`` of ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer``. Their
+  fused inference fast path (``torch._transformer_encoder_layer_fwd``) reads the weights directly,
+  so it is switched off for converted layers (and nested-tensor conversion in their encoder).
+* ``nn.Embedding`` with nn.Embedding's default options, unless its weight is tied to another
+  module: the output of a `VocabParallelEmbedding` is the full embedding, a drop-in replacement.
+
+Never automatic: a lone ``nn.Linear`` (a column layer would leave its output sharded, a gathered one
+only adds communication); ``nn.MultiheadAttention``'s ``out_proj`` (it is applied inside
+``F.multi_head_attention_forward``, which reads ``out_proj.weight`` whole -- refused even in a
+plan); classifier heads (a `ParallelClassifierHead` returns this rank's shard of the logits, meant
+for its ``loss``/``predict``: name it in a plan).
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import Mapping, Optional, Union
+
+import torch.nn as nn
+
+from ..layers import (
+    ColumnParallelLinear, ParallelClassifierHead, RowParallelLinear, VocabParallelEmbedding, tie_weights,
+)
+from ..parallel.context import resolve_tp_group
+from ..parallel.random import tp_dropout
+from ..parallel.sharding import shard_range
+
+logger = logging.getLogger("bigdense.parallelize")
+
+STYLES = {
+    "column": ColumnParallelLinear, "row": RowParallelLinear, "vocab": VocabParallelEmbedding,
+    "head": ParallelClassifierHead,
+}
+_ELEMENTWISE = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU,
+    nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.Identity, nn.Dropout,
+)
+_TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+PlanValue = Union[str, tuple]
+
+
+class ShardedDropout(nn.Module):
+    """Dropout on TP-sharded features (*, hidden_local): this rank's slice of the mask the unsharded
+    layer would draw (`tp_dropout`), so the masks of different ranks are not copies of each other."""
+
+    def __init__(self, p: float, global_size: int, offset: int):
+        super().__init__()
+        self.p, self.global_size, self.offset = p, global_size, offset
+
+    def forward(self, x):
+        return tp_dropout(x, self.p, self.training, shard_dim=-1, global_size=self.global_size, offset=self.offset)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, offset={self.offset}, global_size={self.global_size}"
+
+
+def _is_attention_projection(model: nn.Module, name: str) -> bool:
+    parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
+    return isinstance(parent, nn.MultiheadAttention)
+
+
+def _auto_plan(model: nn.Module) -> tuple[dict[str, tuple], dict[str, str]]:
+    """``({name: (style, options)}, {name: why it stays dense})`` for the usual patterns."""
+    plan, skipped = {}, {}
+    shared = _shared_weights(model)
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, _TRANSFORMER_LAYERS):
+            if type(module.linear1) is nn.Linear and type(module.linear2) is nn.Linear:
+                plan[prefix + "linear1"] = ("column", {})
+                plan[prefix + "linear2"] = ("row", {})
+        elif isinstance(module, nn.Sequential):
+            children = list(module.named_children())
+            i = 0
+            while i < len(children):
+                first = children[i][1]
+                j = i + 1
+                while j < len(children) and isinstance(children[j][1], _ELEMENTWISE):
+                    j += 1
+                if (type(first) is nn.Linear and j < len(children) and type(children[j][1]) is nn.Linear
+                        and children[j][1].in_features == first.out_features):
+                    plan[prefix + children[i][0]] = ("column", {})
+                    plan[prefix + children[j][0]] = ("row", {})
+                    i = j + 1
+                else:
+                    i += 1
+        elif type(module) is nn.Embedding:
+            if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
+                skipped[name] = "nn.Embedding with max_norm/sparse/scale_grad_by_freq"
+            elif id(module.weight) in shared:
+                skipped[name] = (f"weight shared by {shared[id(module.weight)]}; "
+                                 f"name a tied pair in a plan (vocab + head)")
+            else:
+                plan[name] = ("vocab", {})
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name not in plan:
+            skipped[name] = ("nn.MultiheadAttention projection, applied by F.multi_head_attention_forward"
+                             if _is_attention_projection(model, name) else "no column->row partner")
+    return plan, skipped
+
+
+def _shared_weights(model: nn.Module) -> dict[int, list[str]]:
+    """``{id(weight): [module names]}`` for weights reachable through more than one module name
+    (tied weights, or one module used in two places)."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        w = getattr(module, "weight", None)
+        if isinstance(w, nn.Parameter):
+            owners.setdefault(id(w), []).append(name)
+    return {k: v for k, v in owners.items() if len(v) > 1}
+
+
+def _normalise(value: PlanValue, pattern: str) -> tuple[str, dict]:
+    style, options = (value, {}) if isinstance(value, str) else (value[0], dict(value[1]) if len(value) > 1 else {})
+    if style not in STYLES:
+        raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}; the styles are {sorted(STYLES)}")
+    return style, options
+
+
+def _resolve_plan(model: nn.Module, plan: Mapping[str, PlanValue]) -> dict[str, tuple]:
+    names = [n for n, _ in model.named_modules()]
+    resolved: dict[str, tuple] = {}
+    for pattern, value in plan.items():
+        style, options = _normalise(value, pattern)
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            raise ValueError(
+                f"parallelize: plan pattern {pattern!r} matches no module (module names look like {names[1:4]})"
+            )
+        for name in hits:
+            if name in resolved and resolved[name][0] != style:
+                raise ValueError(f"parallelize: module {name!r} is matched as {resolved[name][0]!r} and as {style!r}")
+            resolved[name] = (style, options)
+    return resolved
+
+
+def _check_convertible(model: nn.Module, name: str, style: str) -> None:
+    module = model.get_submodule(name)
+    want = nn.Embedding if style == "vocab" else nn.Linear
+    if not isinstance(module, want) or isinstance(module, tuple(STYLES.values())):
+        raise TypeError(
+            f"parallelize: {name!r} is a {type(module).__name__}; style {style!r} converts an {want.__name__}"
+        )
+    if style != "vocab" and _is_attention_projection(model, name):
+        raise ValueError(
+            f"parallelize: {name!r} is nn.MultiheadAttention's output projection; F.multi_head_attention_forward "
+            f"reads its weight whole, so it cannot be sharded (use a bigdense attention block instead)"
+        )
+
+
+def plan_parallelism(model: nn.Module, plan: Optional[Mapping[str, PlanValue]] = None) -> dict[str, str]:
+    """What `parallelize` would convert: ``{module name: style}`` (nothing is changed)."""
+    resolved = _auto_plan(model)[0] if plan is None else _resolve_plan(model, plan)
+    return {name: style for name, (style, _) in resolved.items()}
+
+
+def parallelize(model: nn.Module, plan: Optional[Mapping[str, PlanValue]] = None, tp_group=None) -> nn.Module:
+    """Replace dense layers of ``model`` by bigdense layers holding this rank's slices; returns ``model``.
+
+    Call it on every TP rank with identical weights (same seed or same loaded state). ``plan``
+    maps module-name patterns (``fnmatch``: ``"blocks.*.mlp.fc1"``; ``*`` also crosses dots) to a
+    style -- ``"column"``/``"row"`` (``nn.Linear``), ``"vocab"`` (``nn.Embedding``), ``"head"``
+    (``nn.Linear`` -> `ParallelClassifierHead`) -- or to ``(style, {constructor options})``, e.g.
+    ``("column", {"gather_output": True})`` or ``("row", {"input_is_parallel": False})``. Every
+    pattern must match a module. With ``plan=None`` the usual patterns are found (see the module
+    docstring). ``nn.Dropout`` between a converted column/row pair becomes `ShardedDropout`.
+    A vocab embedding and a head whose weights were tied stay tied.
+
+    The conversion is logged (logger ``bigdense.parallelize``) and recorded as
+    ``model.bd_parallel_plan`` (``{name: style}``); `plan_parallelism` previews it.
+    """
+    tp_group = resolve_tp_group(tp_group)
+    if plan is None:
+        resolved, skipped = _auto_plan(model)
+        for name, why in skipped.items():
+            logger.info("parallelize: %s stays dense: %s", name or "<root>", why)
+    else:
+        resolved = _resolve_plan(model, plan)
+    for name, (style, _) in resolved.items():
+        _check_convertible(model, name, style)
+    shared = _shared_weights(model)
+    originals = {name: model.get_submodule(name) for name in resolved}
+    ties = []
+    for name, module in originals.items():
+        partners = shared.get(id(module.weight))
+        if partners is None:
+            continue
+        partner_names = [p for p in partners if p != name]
+        styles = {resolved.get(p, (None,))[0] for p in partner_names} | {resolved[name][0]}
+        if styles != {"vocab", "head"} or len(partner_names) != 1:
+            raise ValueError(
+                f"parallelize: {name}.weight is shared with {partner_names}; convert a tied pair as 'vocab' + 'head' "
+                f"(got styles {sorted(s or 'dense' for s in styles)})"
+            )
+        if resolved[name][0] == "vocab":
+            ties.append((name, partner_names[0]))
+
+    converted = {}
+    for name, (style, options) in resolved.items():
+        new = STYLES[style].from_dense(originals[name], tp_group=tp_group, **options)
+        converted[name] = new
+        if name == "":
+            model = new
+        else:
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, new)
+        logger.info("parallelize: %s: %s -> %s", name or "<root>", type(originals[name]).__name__, type(new).__name__)
+    for emb_name, head_name in ties:
+        tie_weights(converted[emb_name], converted[head_name])
+    _adapt_containers(model)
+    model.bd_parallel_plan = {name: style for name, (style, _) in resolved.items()}
+    return model
+
+
+def _adapt_containers(model: nn.Module) -> None:
+    """Dropout between a converted pair becomes `ShardedDropout`; transformer fast paths are disabled."""
+    for _, module in list(model.named_modules()):  # (children are replaced below)
+        if isinstance(module, _TRANSFORMER_LAYERS) and isinstance(module.linear1, ColumnParallelLinear):
+            # The fused fast path reads linear1/linear2 weights directly; the regular path calls them.
+            module.activation_relu_or_gelu = 0
+            if isinstance(module.linear2, RowParallelLinear) and isinstance(module.dropout, nn.Dropout):
+                module.dropout = _sharded_dropout(module.dropout, module.linear1)
+        elif isinstance(module, nn.TransformerEncoder):
+            if any(isinstance(layer.linear1, ColumnParallelLinear) for layer in module.layers):
+                module.use_nested_tensor = False
+        elif isinstance(module, nn.Sequential):
+            column = None
+            for child_name, child in module.named_children():
+                if isinstance(child, ColumnParallelLinear) and not child.gather_output:
+                    column = child
+                elif column is not None and type(child) is nn.Dropout:
+                    setattr(module, child_name, _sharded_dropout(child, column))
+                elif not isinstance(child, _ELEMENTWISE):
+                    column = None
+
+
+def _sharded_dropout(dropout: nn.Dropout, column: ColumnParallelLinear) -> ShardedDropout:
+    start, _ = shard_range(column.out_features, column.tp_size, column.tp_rank)
+    return ShardedDropout(dropout.p, column.out_features, start)

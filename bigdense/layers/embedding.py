@@ -1,0 +1,167 @@
+"""An embedding table whose rows (the vocabulary) are sharded over TP."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..parallel.regions import reduce_from_tp
+from ..parallel.sharding import shard_range, shard_sizes
+from .base import TensorParallelModule
+from .init import InitSpec, resolve_init
+
+
+class VocabParallelEmbedding(TensorParallelModule):
+    """``nn.Embedding`` with its ``num_embeddings`` rows split over TP (balanced; uneven allowed).
+
+    Per rank: ``weight`` (rows_local, embedding_dim) holds rows ``[row_start, row_start + rows_local)``,
+    declared sharded on dim 0; ``rows_local`` may be 0 when ``num_embeddings < tp``.
+    Input: integer ids (*), the same on every TP rank. Output: (*, embedding_dim), the same on
+    every TP rank. Each rank looks up the ids it owns, writes zeros for the others, and the
+    partial results are summed over TP.
+    Collectives: forward all-reduce (sum) of the (*, embedding_dim) output; backward none.
+
+    An id outside ``[0, num_embeddings)`` raises ValueError naming the layer and the id, on every
+    rank (the ids are replicated, so each rank checks them itself: no collective, no hang); this
+    check reads one min/max back to the host per call.
+    ``padding_idx`` behaves as in nn.Embedding: that row starts at zero and never gets a gradient.
+    ``init`` defaults to nn.Embedding's N(0, 1) ("normal"); the full table is the same at any TP size.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        padding_idx: Optional[int] = None,
+        init: InitSpec = "normal",
+        tp_group=None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"VocabParallelEmbedding: {name} must be a positive integer, got {value!r}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(
+                    f"VocabParallelEmbedding: padding_idx must be in [-{num_embeddings}, {num_embeddings}), "
+                    f"got {padding_idx}"
+                )
+            padding_idx %= num_embeddings
+        self.padding_idx = padding_idx
+        self._setup_tp(tp_group)
+        self.init = resolve_init(init, f"VocabParallelEmbedding({num_embeddings}, {embedding_dim})")
+        self.partition_sizes = shard_sizes(num_embeddings, self.tp_size)
+        self.row_start, row_stop = shard_range(num_embeddings, self.tp_size, self.tp_rank)
+        self.rows_local = row_stop - self.row_start
+        self.weight = nn.Parameter(torch.empty(self.rows_local, embedding_dim, device=device, dtype=dtype))
+        self._declare_shard("weight", (num_embeddings, embedding_dim), 0)
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
+    @property
+    def _local_padding_idx(self) -> Optional[int]:
+        if self.padding_idx is None or not 0 <= self.padding_idx - self.row_start < self.rows_local:
+            return None
+        return self.padding_idx - self.row_start
+
+    def reset_parameters(self) -> None:
+        """This rank's rows of the TP-invariant global table; the padding row zeroed."""
+        with torch.no_grad():
+            global_shape = (self.num_embeddings, self.embedding_dim)
+            self.init.init_(self.weight, global_shape, (self.row_start, 0), self._weight_seed)
+            if self._local_padding_idx is not None:
+                self.weight[self._local_padding_idx].zero_()
+
+    def _describe_shape(self) -> str:
+        return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}"
+
+    def extra_repr(self) -> str:
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return (
+            f"{self._describe_shape()}{pad}, rows on this rank={self.rows_local} (from {self.row_start}), "
+            f"tp={self.tp_size}, init={self.init.name}"
+        )
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"{self._where()}: expected a tensor of ids, got {type(ids).__name__}")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"{self._where()}: ids must be an integer tensor, got dtype {ids.dtype}")
+        if ids.device != self.weight.device:
+            raise ValueError(f"{self._where()}: ids are on {ids.device} but the table is on {self.weight.device}")
+        if ids.numel() == 0:
+            return
+        lo, hi = (int(v) for v in torch.stack(list(torch.aminmax(ids))).tolist())
+        if lo < 0 or hi >= self.num_embeddings:
+            bad = ids[(ids < 0) | (ids >= self.num_embeddings)]
+            raise ValueError(
+                f"{self._where()}: id {int(bad[0])} is outside [0, {self.num_embeddings}) "
+                f"({bad.numel()} bad id(s) in an input of shape {tuple(ids.shape)})"
+            )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self._check_ids(ids)
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight, self.padding_idx)
+        if self.rows_local == 0:
+            # This rank owns no row: its partial sum is zero. Adding the (empty, so zero) sum of the
+            # weight keeps the output in the autograd graph, as it is on the other ranks.
+            partial = self.weight.new_zeros(tuple(ids.shape) + (self.embedding_dim,)) + self.weight.sum()
+        else:
+            local = ids - self.row_start
+            elsewhere = (local < 0) | (local >= self.rows_local)
+            # Row 0 stands in for ids another rank owns; zeroing its output also zeroes its gradient.
+            partial = F.embedding(local.masked_fill(elsewhere, 0), self.weight, self._local_padding_idx)
+            partial = partial.masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        return reduce_from_tp(partial, self.tp_group)
+
+    @torch.no_grad()
+    def to_dense(self) -> nn.Embedding:
+        """An ``nn.Embedding`` with the full table, on every rank (a collective)."""
+        dense = nn.Embedding(
+            self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx,
+            device=self.weight.device, dtype=self.weight.dtype,
+        )
+        dense.weight.copy_(self.gather_param("weight"))
+        return dense
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, **kwargs) -> "VocabParallelEmbedding":
+        """This rank's rows of ``embedding`` (same device, dtype and padding_idx); ``kwargs``: ``tp_group``."""
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError(f"{cls.__name__}.from_dense: expected an nn.Embedding, got {type(embedding).__name__}")
+        unsupported = {
+            "max_norm": embedding.max_norm is not None,
+            "scale_grad_by_freq": embedding.scale_grad_by_freq,
+            "sparse": embedding.sparse,
+        }
+        if any(unsupported.values()):
+            raise ValueError(
+                f"{cls.__name__}.from_dense: {[k for k, v in unsupported.items() if v]} are not supported"
+            )
+        for key in ("padding_idx", "device", "dtype", "init"):
+            if key in kwargs:
+                raise TypeError(f"{cls.__name__}.from_dense: {key}= comes from the nn.Embedding, do not pass it")
+        layer = cls(
+            embedding.num_embeddings, embedding.embedding_dim, padding_idx=embedding.padding_idx,
+            device="meta", dtype=embedding.weight.dtype, **kwargs,
+        )
+        layer.to_empty(device=embedding.weight.device)
+        layer.load_dense_(embedding.weight)
+        return layer
+
+    @torch.no_grad()
+    def load_dense_(self, weight: torch.Tensor) -> None:
+        """Copy this rank's rows of a full ``(num_embeddings, embedding_dim)`` table in place."""
+        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"{self._where()}: full table must have shape {(self.num_embeddings, self.embedding_dim)}, "
+                f"got {tuple(weight.shape)}"
+            )
+        self.weight.copy_(self.shard_spec("weight").slice_of(weight))

@@ -1,0 +1,279 @@
+"""A classifier head over very many classes, sharded by class over TP, whose loss never holds the logits.
+
+    head = bd.ParallelClassifierHead(1024, num_classes=1_000_000, bias=False)
+    loss = head.loss(h, target, label_smoothing=0.1)     # == F.cross_entropy(full logits, target, ...)
+    scores, classes = head.predict(h, k=5)              # global top-5; full logits never gathered
+
+The head is a `ColumnParallelLinear` over classes (so ``from_dense``/``to_dense``/``load_dense_``,
+TP-invariant init and shard specs come with it); ``loss`` and ``predict`` work chunk by chunk over
+tokens so the per-rank logits working set is (chunk, classes_local), never (tokens, classes_local).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..parallel import comm
+from .init import InitSpec, init_bias_
+from .linear import ColumnParallelLinear
+from .vocab_ce import CEConfig, FusedVocabParallelCE, auto_chunk_size
+
+_REDUCTIONS = ("mean", "sum", "none")
+_STRATEGIES = ("forward", "recompute")
+
+
+class ParallelClassifierHead(ColumnParallelLinear):
+    """``logits = h W^T + b`` over ``num_classes`` classes, split by class over TP (uneven allowed).
+
+    Per rank: ``weight`` (classes_local, in_features) and ``bias`` (classes_local,) hold classes
+    ``[class_start, class_start + classes_local)`` of the balanced split; both are declared sharded
+    (dim 0). ``classes_local`` may be 0 when ``num_classes < tp``: that rank then holds no class and
+    everything still works. Inputs ``h`` (*, in_features) and ``target`` (*) are the same on every
+    TP rank.
+
+    ``chunk_size``: tokens per chunk in ``loss`` and ``predict``. ``None`` picks the largest chunk
+    whose fp32 logits on the rank with the most classes fit in 64 MiB (``vocab_ce.AUTO_CHUNK_BYTES``).
+    ``grad_strategy``: ``"forward"`` (form the gradients while the forward has each chunk's logits:
+    3 matmuls) or ``"recompute"`` (recompute the logits in the backward: 4 matmuls, lets you call
+    backward twice); see `bigdense.layers.vocab_ce` for the measurements behind the default.
+    ``init`` defaults to nn.Linear's ("torch"), with nn.Linear's bias law.
+
+    ``forward(h)`` is ``logits(h)``: this rank's shard of the logits, (*, classes_local).
+    Tie the weight to a `VocabParallelEmbedding` with `tie_weights`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        bias: bool = True,
+        *,
+        chunk_size: Optional[int] = None,
+        grad_strategy: str = "forward",
+        init: InitSpec = "torch",
+        tp_group=None,
+        device=None,
+        dtype=None,
+    ):
+        if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
+            raise ValueError(f"ParallelClassifierHead: num_classes must be a positive integer, got {num_classes!r}")
+        if chunk_size is not None and (
+            not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
+        ):
+            raise ValueError(
+                f"ParallelClassifierHead: chunk_size must be a positive integer or None, got {chunk_size!r}"
+            )
+        if grad_strategy not in _STRATEGIES:
+            raise ValueError(
+                f"ParallelClassifierHead: grad_strategy must be one of {_STRATEGIES}, got {grad_strategy!r}"
+            )
+        super().__init__(
+            in_features, num_classes, bias, gather_output=False, init=init,
+            tp_group=tp_group, device=device, dtype=dtype,
+        )
+        self._tied_embedding = None  # (embedding,) once `tie_weights` ran
+        self.chunk_size = chunk_size
+        self.grad_strategy = grad_strategy
+
+    @property
+    def num_classes(self) -> int:
+        return self.out_features
+
+    @property
+    def class_start(self) -> int:
+        return self.partition_start
+
+    @property
+    def classes_local(self) -> int:
+        return self.partition_size
+
+    def _describe_shape(self) -> str:
+        return f"in_features={self.in_features}, num_classes={self.num_classes}"
+
+    def extra_repr(self) -> str:
+        tied = ", weight tied to an embedding" if self._tied_embedding is not None else ""
+        return (
+            f"{self._describe_shape()}, bias={self.bias is not None}, classes on this rank="
+            f"{self.classes_local} (from {self.class_start}), tp={self.tp_size}, chunk_size={self.chunk_size}{tied}"
+        )
+
+    def reset_parameters(self) -> None:
+        if getattr(self, "_tied_embedding", None) is None:  # (the constructor calls this before setting it)
+            return super().reset_parameters()
+        # Tied: the embedding owns (and initialises) the weight. `to_empty` (meta materialisation)
+        # replaces Parameters and so unties them; tie again to the embedding's current weight.
+        self.weight = self._tied_embedding[0].weight
+        if self.bias is not None:
+            with torch.no_grad():
+                init_bias_(
+                    self.bias, self.init, self.in_features, self.out_features, self.class_start, self._weight_seed
+                )
+
+    def _chunk(self) -> int:
+        # From the largest shard, so every rank cuts the tokens at the same places (one collective per chunk).
+        return self.chunk_size or auto_chunk_size(max(self.partition_sizes))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the logits, (*, classes_local). Grad of ``h`` is summed over TP."""
+        return super().forward(h)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.logits(h)
+
+    # ---- loss ----
+    def loss(
+        self,
+        h: torch.Tensor,
+        target: torch.Tensor,
+        *,
+        label_smoothing: float = 0.0,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        """``F.cross_entropy(full_logits, target, ...)`` computed vocab-parallel, fused and chunked.
+
+        ``h`` (*, in_features), ``target`` (*) integer class ids (or ``ignore_index``), both
+        replicated on TP. Returns an fp32 scalar (``"mean"``, ``"sum"``) or ``target``'s shape
+        (``"none"``), the same on every rank; gradients flow to ``h`` (summed over TP), ``weight``
+        and ``bias``. The softmax is accumulated in fp32; under autocast the matmuls run in
+        autocast's dtype, as ``F.linear`` would.
+
+        Edges, identical on every rank: a label outside ``[0, num_classes)`` that is not
+        ``ignore_index`` raises ValueError naming it; an empty batch works; when every token is
+        ignored, ``"mean"`` gives 0 with zero gradients, where F.cross_entropy gives nan
+        (deliberate: one padded-out batch must not poison a run).
+        """
+        self._check_input(h, self.in_features, "in_features, replicated on every TP rank", self.weight)
+        self._check_target(h, target, ignore_index)
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"{self._where()}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        if not 0.0 <= float(label_smoothing) <= 1.0:
+            raise ValueError(f"{self._where()}: label_smoothing must be in [0, 1], got {label_smoothing}")
+        device_type = h.device.type
+        compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
+        cfg = CEConfig(
+            group=self.tp_group,
+            num_classes=self.num_classes,
+            class_start=self.class_start,
+            label_smoothing=float(label_smoothing),
+            ignore_index=int(ignore_index),
+            reduction=reduction,
+            chunk_size=self._chunk(),
+            strategy="recompute" if reduction == "none" else self.grad_strategy,
+            compute_dtype=compute_dtype,
+        )
+        flat_h = h.reshape(-1, self.in_features)
+        out = FusedVocabParallelCE.apply(flat_h, self.weight, self.bias, target.reshape(-1), cfg)
+        return out.view(target.shape) if reduction == "none" else out
+
+    def _check_target(self, h: torch.Tensor, target: torch.Tensor, ignore_index: int) -> None:
+        if not isinstance(target, torch.Tensor):
+            raise TypeError(f"{self._where()}: target must be a tensor of class ids, got {type(target).__name__}")
+        if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+            raise TypeError(
+                f"{self._where()}: target must hold integer class ids, got dtype {target.dtype} "
+                f"(class-probability targets are not supported)"
+            )
+        if tuple(target.shape) != tuple(h.shape[:-1]):
+            raise ValueError(
+                f"{self._where()}: target shape {tuple(target.shape)} must equal the input's leading dims "
+                f"{tuple(h.shape[:-1])} (input {tuple(h.shape)})"
+            )
+        if target.device != h.device:
+            raise ValueError(f"{self._where()}: target is on {target.device}, the input on {h.device}")
+        # target is replicated on TP, so every rank raises the same error with no collective.
+        bad = (target != ignore_index) & ((target < 0) | (target >= self.num_classes))
+        if bool(bad.any()):
+            values = target[bad]
+            raise ValueError(
+                f"{self._where()}: label {int(values[0])} is outside [0, {self.num_classes}) "
+                f"({values.numel()} bad label(s); ignore_index={ignore_index})"
+            )
+
+    # ---- prediction ----
+    @torch.no_grad()
+    def predict(self, h: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global top-``k`` logits and class ids, (*, k) each, the same on every rank.
+
+        Each rank takes its own top-k per chunk of tokens, every rank gathers the ``k * tp``
+        candidates (never the logits) and keeps the best ``k``. Ties go to the lower class id,
+        deterministically (NaN logits rank as -inf).
+        """
+        self._check_input(h, self.in_features, "in_features, replicated on every TP rank", self.weight)
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.num_classes:
+            raise ValueError(f"{self._where()}: k must be an integer in [1, {self.num_classes}], got {k!r}")
+        flat = h.reshape(-1, self.in_features)
+        per_rank_k = [min(k, size) for size in self.partition_sizes]
+        my_k = per_rank_k[self.tp_rank]
+        values, ids = [], []
+        for lo in range(0, flat.shape[0], self._chunk()):
+            z = F.linear(flat[lo : lo + self._chunk()], self.weight, self.bias)
+            v, i = _local_topk_lowest_id(z, my_k)
+            v = comm.all_gather_dim(v, 1, self.tp_group, per_rank_k)
+            i = comm.all_gather_dim(i + self.class_start, 1, self.tp_group, per_rank_k)
+            # Candidates arrive in ascending class id (rank order, ascending within a rank), so a
+            # stable sort by value breaks ties towards the lower id.
+            order = torch.sort(v, dim=1, descending=True, stable=True).indices[:, :k]
+            values.append(v.gather(1, order))
+            ids.append(i.gather(1, order))
+        lead = tuple(h.shape[:-1])
+        if not values:  # empty batch
+            dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+            return h.new_empty(lead + (k,), dtype=dtype), torch.empty(lead + (k,), dtype=torch.long, device=h.device)
+        return torch.cat(values).view(lead + (k,)), torch.cat(ids).view(lead + (k,))
+
+
+def _local_topk_lowest_id(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` of each row of ``z`` with ties at the k-th value going to the lowest column.
+
+    ``torch.topk`` does not promise which of several equal values it keeps, so it only gives the
+    k-th value here; the selection is then explicit. Returns (values, columns), columns ascending.
+    """
+    n = z.shape[0]
+    if k == 0:
+        return z.new_empty(n, 0), torch.empty(n, 0, dtype=torch.long, device=z.device)
+    z = torch.nan_to_num(z, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    kth = z.topk(k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+    above = z > kth
+    at_kth = z == kth
+    missing = k - above.sum(dim=1, keepdim=True)
+    take = above | (at_kth & (at_kth.cumsum(dim=1, dtype=torch.int32) <= missing))
+    cols = take.nonzero()[:, 1].view(n, k)
+    return z.gather(1, cols), cols
+
+
+def tie_weights(embedding, head: ParallelClassifierHead) -> ParallelClassifierHead:
+    """Make ``head.weight`` the same Parameter as ``embedding.weight`` (tied input/output embeddings).
+
+    Both are split by row with the same balanced rule, so with ``num_classes == num_embeddings``,
+    ``in_features == embedding_dim`` and the same TP group each rank's shards line up and the
+    gradients of both uses accumulate into the one local shard. The embedding initialises the
+    weight; ``head.reset_parameters()`` (and so `bigdense.materialize`, whose ``to_empty`` unties
+    Parameters) re-ties instead of re-initialising. Returns ``head``.
+    """
+    from .embedding import VocabParallelEmbedding
+
+    if not isinstance(embedding, VocabParallelEmbedding) or not isinstance(head, ParallelClassifierHead):
+        raise TypeError(
+            f"tie_weights(embedding, head): expected a VocabParallelEmbedding and a ParallelClassifierHead, "
+            f"got {type(embedding).__name__} and {type(head).__name__}"
+        )
+    if (embedding.num_embeddings, embedding.embedding_dim) != (head.num_classes, head.in_features):
+        raise ValueError(
+            f"tie_weights: the embedding is ({embedding.num_embeddings}, {embedding.embedding_dim}) but the head "
+            f"needs (num_classes, in_features) = ({head.num_classes}, {head.in_features})"
+        )
+    if embedding.tp_group is not head.tp_group:
+        raise ValueError(
+            "tie_weights: the embedding and the head use different TP groups; their shards would not line up"
+        )
+    if embedding.weight.dtype != head.weight.dtype or embedding.weight.device != head.weight.device:
+        raise ValueError(
+            f"tie_weights: embedding weight is {embedding.weight.dtype} on {embedding.weight.device}, "
+            f"head weight {head.weight.dtype} on {head.weight.device}"
+        )
+    head._tied_embedding = (embedding,)  # a tuple: not registered as a submodule of the head
+    head.weight = embedding.weight
+    return head

@@ -1,0 +1,173 @@
+"""The transformer MLP block, tensor-parallel: column-parallel up, activation, row-parallel down."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..parallel.random import tp_dropout
+from ..parallel.regions import copy_to_tp
+from .base import TensorParallelModule
+from .init import InitSpec
+from .linear import ColumnParallelLinear, RowParallelLinear
+
+ACTIVATIONS = ("gelu", "relu", "swiglu")
+_ELEMENTWISE = {"gelu": F.gelu, "relu": F.relu}
+
+
+class ParallelMLP(TensorParallelModule):
+    """``down(act(up(x)))``, or ``down(silu(gate(x)) * up(x))`` for ``activation="swiglu"``, then dropout.
+
+    Submodules: ``up`` (and ``gate``) are `ColumnParallelLinear(d_model, d_hidden)` holding this
+    rank's slice of the hidden units, weight (hidden_local, d_model); ``down`` is
+    `RowParallelLinear(d_hidden, d_model)`, weight (d_model, hidden_local), bias whole. ``gate`` and
+    ``up`` use the same balanced split, so each rank's gate and up columns pair up.
+    Input and output (*, d_model), the same on every TP rank.
+
+    Collectives: exactly one all-reduce in forward (``down``'s) and one in backward (the input's
+    gradient; ``x`` enters the TP region once even though SwiGLU uses it twice). For that reason
+    the column projections are applied here with ``F.linear`` on their parameters, so forward
+    hooks on ``up``/``gate`` do not fire (hooks on the MLP and on ``down`` do).
+
+    ``dropout`` is applied to the output (a replicated region) with `tp_dropout`: the same mask on
+    every TP rank and at every TP size, redrawn identically under activation checkpointing.
+    ``init`` is the weights' initializer for all projections (biases follow nn.Linear's law for
+    ``"torch"``, zeros otherwise).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_hidden: int,
+        activation: str = "gelu",
+        *,
+        dropout: float = 0.0,
+        bias: bool = True,
+        init: InitSpec = "torch",
+        tp_group=None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"ParallelMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"ParallelMLP: dropout must be in [0, 1), got {dropout}")
+        self.d_model, self.d_hidden, self.activation, self.dropout = d_model, d_hidden, activation, float(dropout)
+        self._setup_tp(tp_group)
+        kw = dict(bias=bias, init=init, tp_group=self.tp_group, device=device, dtype=dtype)
+        if activation == "swiglu":
+            self.gate = ColumnParallelLinear(d_model, d_hidden, **kw)
+        else:
+            self.register_module("gate", None)
+        self.up = ColumnParallelLinear(d_model, d_hidden, **kw)
+        self.down = RowParallelLinear(d_hidden, d_model, **kw)
+
+    def _describe_shape(self) -> str:
+        return f"d_model={self.d_model}, d_hidden={self.d_hidden}, activation={self.activation!r}"
+
+    def extra_repr(self) -> str:
+        return f"{self._describe_shape()}, dropout={self.dropout}, tp={self.tp_size}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x, self.d_model, "d_model, replicated on every TP rank", self.up.weight)
+        x = copy_to_tp(x, self.tp_group)
+        hidden = F.linear(x, self.up.weight, self.up.bias)
+        if self.gate is not None:
+            hidden = F.silu(F.linear(x, self.gate.weight, self.gate.bias)) * hidden
+        else:
+            hidden = _ELEMENTWISE[self.activation](hidden)
+        return tp_dropout(self.down(hidden), self.dropout, self.training)
+
+    @torch.no_grad()
+    def to_dense(self) -> "DenseMLP":
+        """A plain PyTorch `DenseMLP` with the full weights, on every rank (a collective).
+
+        Its forward equals this one's with dropout off (in training its nn.Dropout draws its own masks).
+        """
+        # Built on meta (no init, no draw from the RNG), then given the gathered layers.
+        dense = DenseMLP(
+            self.d_model, self.d_hidden, self.activation, dropout=self.dropout,
+            bias=self.up.bias is not None, device="meta",
+        )
+        if self.gate is not None:
+            dense.gate = self.gate.to_dense()
+        dense.up, dense.down = self.up.to_dense(), self.down.to_dense()
+        return dense
+
+    @classmethod
+    def from_dense(cls, *layers: nn.Module, activation: str | None = None, dropout: float | None = None, **kwargs):
+        """This rank's slices of a plain PyTorch MLP.
+
+        Either the two or three ``nn.Linear`` of the MLP, in the order they appear in the formula:
+        ``from_dense(fc1, fc2, activation="gelu"|"relu")`` for ``fc2(act(fc1(x)))``,
+        ``from_dense(gate, up, down, activation="swiglu")`` for ``down(silu(gate(x)) * up(x))``;
+        or one module with attributes ``up``, ``down`` (and ``gate``) and ``activation``, such as
+        `DenseMLP` / what `to_dense` returns. ``dropout`` defaults to 0 (to the module's p).
+        ``kwargs``: ``tp_group``. Device and dtype are the linears'.
+        """
+        if len(layers) == 1 and hasattr(layers[0], "up") and hasattr(layers[0], "down"):
+            module = layers[0]
+            activation = activation or getattr(module, "activation", None)
+            if dropout is None and isinstance(getattr(module, "dropout", None), nn.Dropout):
+                dropout = module.dropout.p
+            layers = (module.gate, module.up, module.down) if activation == "swiglu" else (module.up, module.down)
+        activation = activation or "gelu"
+        expected = 3 if activation == "swiglu" else 2
+        if len(layers) != expected or not all(isinstance(layer, nn.Linear) for layer in layers):
+            names = "(gate, up, down)" if activation == "swiglu" else "(fc1, fc2)"
+            raise TypeError(
+                f"ParallelMLP.from_dense(activation={activation!r}): expected {expected} nn.Linear {names}, "
+                f"got {[type(layer).__name__ for layer in layers]}"
+            )
+        *ins, out = layers
+        d_hidden, d_model = ins[0].out_features, ins[0].in_features
+        for layer in ins:
+            if (layer.out_features, layer.in_features) != (d_hidden, d_model):
+                shapes = [tuple(linear.weight.shape) for linear in ins]
+                raise ValueError(f"ParallelMLP.from_dense: the input projections differ in shape: {shapes}")
+        if (out.out_features, out.in_features) != (d_model, d_hidden):
+            raise ValueError(
+                f"ParallelMLP.from_dense: output projection must be ({d_model}, {d_hidden}) "
+                f"to follow ({d_hidden}, {d_model}), got {tuple(out.weight.shape)}"
+            )
+        has_bias = {layer.bias is not None for layer in layers}
+        if len(has_bias) != 1:
+            raise ValueError("ParallelMLP.from_dense: either every projection has a bias or none does")
+        for key in ("bias", "device", "dtype", "init"):
+            if key in kwargs:
+                raise TypeError(f"ParallelMLP.from_dense: {key}= comes from the nn.Linear layers, do not pass it")
+        mlp = cls(
+            d_model, d_hidden, activation, dropout=dropout or 0.0, bias=has_bias.pop(),
+            device="meta", dtype=ins[0].weight.dtype, **kwargs,
+        )
+        mlp.to_empty(device=ins[0].weight.device)
+        targets = (mlp.gate, mlp.up, mlp.down) if activation == "swiglu" else (mlp.up, mlp.down)
+        for target, layer in zip(targets, layers):
+            target.load_dense_(layer.weight, layer.bias)
+        return mlp
+
+
+class DenseMLP(nn.Module):
+    """The unsharded MLP in plain PyTorch: ``down(act(up(x)))`` or ``down(silu(gate(x)) * up(x))``, dropout."""
+
+    def __init__(
+        self, d_model: int, d_hidden: int, activation: str = "gelu", *, dropout: float = 0.0, bias: bool = True,
+        device=None, dtype=None,
+    ):
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"DenseMLP: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.activation = activation
+        self.gate = nn.Linear(d_model, d_hidden, **kw) if activation == "swiglu" else None
+        self.up = nn.Linear(d_model, d_hidden, **kw)
+        self.down = nn.Linear(d_hidden, d_model, **kw)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            hidden = F.silu(self.gate(x)) * self.up(x)
+        else:
+            hidden = _ELEMENTWISE[self.activation](self.up(x))
+        return self.dropout(self.down(hidden))

@@ -1,0 +1,165 @@
+"""A GPT-style decoder built only from bigdense layers.
+
+Per TP rank (B batch, S sequence, d = d_model, H heads, tp the TP size):
+- ``tok_emb``: VocabParallelEmbedding, rows of the vocabulary split over TP; output (B, S, d)
+  replicated. ``pos_emb``: an ordinary nn.Embedding, replicated.
+- each block: LayerNorm → attention (H/tp heads per rank) → residual; LayerNorm → ParallelMLP →
+  residual. Activations between blocks are (B, S, d), the same on every TP rank.
+- ``head``: ParallelClassifierHead over the vocabulary, optionally tied to ``tok_emb``; the loss is
+  the fused vocab-parallel cross-entropy, so no rank ever holds (B·S, vocab) logits.
+
+One forward has 2 all-reduces per block (attention output, MLP output) plus the embedding's and
+the loss statistics'; the backward mirrors them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..layers import (
+    ColumnParallelLinear,
+    ParallelClassifierHead,
+    ParallelMLP,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    tie_weights,
+)
+from ..parallel.context import resolve_tp_group
+from ..parallel.comm import group_rank, group_size
+from ..parallel.random import tp_dropout
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    d_hidden: Optional[int] = None  # None: 4 * d_model
+    max_seq_len: int = 256
+    dropout: float = 0.0
+    activation: str = "gelu"
+    bias: bool = True
+    tie_embeddings: bool = True
+    head_chunk_size: Optional[int] = None  # None: the head picks a chunk from a memory budget
+    init: str = "trunc_normal"
+
+
+class ParallelSelfAttention(nn.Module):
+    """Causal multi-head self-attention with the heads split over TP.
+
+    ``qkv`` is a ColumnParallelLinear(d, 3d) whose global output rows are laid out head by head
+    (``[head 0: q, k, v][head 1: q, k, v]...``), so with ``tp`` dividing ``n_heads`` the balanced
+    split gives every rank whole heads: weight (3d/tp, d). ``out`` is a RowParallelLinear(d, d):
+    weight (d, d/tp), its all-reduce is the block's only collective here.
+    Attention dropout acts on this rank's heads, a sharded region: ``tp_dropout`` draws exactly
+    those heads' slice of the unsharded mask.
+    """
+
+    def __init__(self, d_model, n_heads, *, dropout=0.0, bias=True, init="trunc_normal", tp_group=None):
+        super().__init__()
+        tp_group = resolve_tp_group(tp_group)
+        tp = group_size(tp_group)
+        if d_model % n_heads:
+            raise ValueError(f"ParallelSelfAttention: n_heads={n_heads} must divide d_model={d_model}")
+        if n_heads % tp:
+            raise ValueError(
+                f"ParallelSelfAttention: the TP size {tp} must divide n_heads={n_heads} (whole heads per rank)"
+            )
+        self.n_heads, self.head_dim, self.dropout = n_heads, d_model // n_heads, dropout
+        self.heads_local = n_heads // tp
+        self.head_start = group_rank(tp_group) * self.heads_local
+        self.qkv = ColumnParallelLinear(d_model, 3 * d_model, bias=bias, init=init, tp_group=tp_group)
+        self.out = RowParallelLinear(d_model, d_model, bias=bias, init=init, tp_group=tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, self.heads_local, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        if self.training and self.dropout > 0:
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            probs = tp_dropout(probs, self.dropout, shard_dim=1, global_size=self.n_heads, offset=self.head_start)
+            y = probs @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.out(y.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim))
+        return tp_dropout(y, self.dropout, self.training)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+
+    def __init__(self, cfg: GPTConfig, tp_group=None):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = ParallelSelfAttention(
+            cfg.d_model, cfg.n_heads, dropout=cfg.dropout, bias=cfg.bias, init=cfg.init, tp_group=tp_group
+        )
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = ParallelMLP(
+            cfg.d_model, cfg.d_hidden or 4 * cfg.d_model, cfg.activation,
+            dropout=cfg.dropout, bias=cfg.bias, init=cfg.init, tp_group=tp_group,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model. ``forward(idx, targets)`` returns the mean cross-entropy.
+
+    ``idx``/``targets``: (B, S) int64, the same on every TP rank. Without targets, ``forward``
+    returns this rank's shard of the logits, (B, S, vocab_local).
+    """
+
+    def __init__(self, cfg: GPTConfig, tp_group=None):
+        super().__init__()
+        self.cfg = cfg
+        tp_group = resolve_tp_group(tp_group)
+        self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, init=cfg.init, tp_group=tp_group)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        nn.init.normal_(self.pos_emb.weight, std=0.02)
+        self.blocks = nn.ModuleList(Block(cfg, tp_group) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = ParallelClassifierHead(
+            cfg.d_model, cfg.vocab_size, bias=False, chunk_size=cfg.head_chunk_size, init=cfg.init, tp_group=tp_group
+        )
+        if cfg.tie_embeddings:
+            tie_weights(self.tok_emb, self.head)
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """The final normalised hidden states, (B, S, d_model), replicated over TP."""
+        s = idx.shape[1]
+        if s > self.cfg.max_seq_len:
+            raise ValueError(f"GPT: sequence length {s} exceeds max_seq_len={self.cfg.max_seq_len}")
+        pos = torch.arange(s, device=idx.device)
+        x = tp_dropout(self.tok_emb(idx) + self.pos_emb(pos), self.cfg.dropout, self.training)
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.hidden(idx)
+        if targets is None:
+            return self.head.logits(h)
+        return self.head.loss(h, targets)
+
+    def num_parameters(self) -> dict[str, int]:
+        """Global parameter counts (unsharded), total and of the largest dense layer (the head)."""
+        total = 0
+        seen = set()
+        for module in self.modules():
+            specs = module.bd_shard_specs() if hasattr(module, "bd_shard_specs") else {}
+            for name, p in module.named_parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                total += math.prod(specs[name].global_shape) if name in specs else p.numel()
+        return {"total": total, "head": self.cfg.vocab_size * self.cfg.d_model}

@@ -1,0 +1,91 @@
+"""The pieces of `launch/train.py` that are not the loop itself: starting a run (config checks,
+mesh, seeds, run directory) and building the model from the config."""
+from __future__ import annotations
+
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..config import validate
+from ..parallel.context import ParallelContext, init_parallel
+
+log = logging.getLogger("bigdense")
+
+
+@dataclass
+class Run:
+    ctx: ParallelContext
+    run_dir: Path
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+
+def launcher_world() -> tuple[int, int]:
+    """(rank, world size) as the launcher set them, before any process group exists."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def start_run(cfg, hydra_output_dir: str) -> Run:
+    """Check the config, build the mesh, seed every generator, agree on the run directory.
+
+    The config is validated on every rank before the process group exists, so a bad value stops
+    all ranks at once with the same message (raised as `ConfigError`).
+    """
+    _, world = launcher_world()
+    use_cuda = torch.cuda.is_available() and cfg.parallel.backend in (None, "nccl")
+    validate(cfg, world, "cuda" if use_cuda else "cpu")
+    ctx = init_parallel(
+        tp=cfg.parallel.tp if cfg.parallel.tp is not None else world,
+        dp=cfg.parallel.dp,
+        backend=cfg.parallel.backend,
+        timeout=cfg.parallel.timeout_s,
+    )
+    # Every rank gets the same seed: TP-invariant initialisation and dropout rely on the ranks of a
+    # TP group drawing the same numbers; data order comes from its own generator.
+    seed_everything(cfg.trainer.seed)
+    run_dir = [hydra_output_dir]
+    if ctx.is_distributed:
+        # Ranks may have started in different seconds; rank 0's directory is the run's.
+        dist.broadcast_object_list(run_dir, src=0)
+    run = Run(ctx, Path(run_dir[0]))
+    if ctx.is_main:
+        run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    if not ctx.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+    return run
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_gpt(model_cfg, vocab_size: int, ctx: ParallelContext):
+    """The reference GPT from the ``model`` config group, sharded over ``ctx``'s TP group."""
+    from ..models import GPT, GPTConfig
+
+    cfg = GPTConfig(
+        vocab_size=model_cfg.vocab_size or vocab_size,
+        d_model=model_cfg.d_model,
+        n_layers=model_cfg.n_layers,
+        n_heads=model_cfg.n_heads,
+        d_hidden=model_cfg.d_hidden,
+        max_seq_len=model_cfg.max_seq_len,
+        dropout=model_cfg.dropout,
+        activation=model_cfg.activation,
+        bias=model_cfg.bias,
+        tie_embeddings=model_cfg.tie_embeddings,
+        head_chunk_size=model_cfg.head_chunk_size,
+        init=model_cfg.init,
+    )
+    with torch.device(ctx.device):
+        return GPT(cfg, tp_group=ctx.tp_group)

@@ -1,0 +1,177 @@
+"""Mixed precision from ``PrecisionConfig``: autocast for compute, fp32 everywhere else.
+
+``precision.dtype`` picks the compute dtype of matmuls inside `torch.autocast`. Parameters,
+gradients, optimizer state and hence the master weights stay fp32: a model is never cast with
+``.half()``/``.bfloat16()``, so an optimizer step never rounds a weight update away.
+
+fp16's narrow range needs loss scaling. `DynamicLossScaler` is bigdense's scaler, not torch's
+``GradScaler``: ``GradScaler`` looks for inf/nan in *this process's* gradients only. Under tensor
+parallelism each rank holds different gradient shards, so an overflow in one rank's shard makes
+that rank skip its step while the others apply theirs, and from then on the shards of one weight
+matrix belong to different models (and their scales drift apart). Here the found-inf flag is
+all-reduced (MAX) over a group that spans every rank taking part in the step (TP and DP), so all
+ranks skip together and lower the scale together.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """``"fp32" | "bf16" | "fp16"`` -> the torch dtype; the error names ``precision.dtype``."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"precision.dtype={name!r} is not one of {list(DTYPES)}") from None
+
+
+def autocast(dtype: str, device) -> contextlib.AbstractContextManager:
+    """`torch.autocast` for ``device``'s type in the compute dtype; a no-op context for fp32."""
+    torch_dtype = compute_dtype(dtype)
+    device_type = torch.device(device).type
+    if torch_dtype is torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=torch_dtype)
+
+
+def any_rank(flag: bool, group: Optional[dist.ProcessGroup], device="cpu") -> bool:
+    """True on every rank of ``group`` when ``flag`` is true on at least one (all-reduce MAX).
+
+    ``group=None`` means one rank: no collective.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return bool(flag)
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item() > 0)
+
+
+class DynamicLossScaler:
+    """fp16 dynamic loss scaling whose skip decision is the same on every rank.
+
+    ``scale(loss)`` multiplies the loss by the current scale before ``backward``;
+    ``unscale_(params)`` divides the gradients by it and returns whether any rank found an inf/nan
+    (one all-reduce MAX of a 1-element flag over ``group``); ``update(found_inf)`` then halves the
+    scale (never below ``min_scale``) after an overflow, or doubles it after ``growth_interval``
+    overflow-free steps in a row. The caller skips the optimizer step when ``found_inf``.
+
+    ``group`` must span every rank that applies the same optimizer step: the whole TP x DP mesh
+    (the engines pass the world group when distributed). ``None`` means a single process.
+    ``state_dict()``/``load_state_dict()`` carry the scale and the growth counter through
+    checkpoints, so a resumed run scales exactly as the uninterrupted one.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 65536.0,
+        *,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        min_scale: float = 1.0,
+        group: Optional[dist.ProcessGroup] = None,
+    ):
+        if not (math.isfinite(init_scale) and init_scale > 0):
+            raise ValueError(f"precision.init_scale must be a positive finite number, got {init_scale!r}")
+        if not (isinstance(growth_interval, int) and growth_interval >= 1):
+            raise ValueError(f"precision.growth_interval must be a positive integer, got {growth_interval!r}")
+        if not (0 < min_scale <= init_scale):
+            raise ValueError(f"precision.min_scale must be in (0, init_scale={init_scale}], got {min_scale!r}")
+        if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0):
+            raise ValueError(
+                f"DynamicLossScaler: growth_factor must be > 1 and backoff_factor in (0, 1), "
+                f"got {growth_factor} and {backoff_factor}"
+            )
+        self.init_scale = float(init_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.min_scale = float(min_scale)
+        self.group = group
+        self.scale_value = float(init_scale)
+        self.growth_tracker = 0  # overflow-free steps since the last change of scale
+
+    @classmethod
+    def from_config(cls, cfg, group: Optional[dist.ProcessGroup]) -> "DynamicLossScaler":
+        """From a ``PrecisionConfig`` (``init_scale``, ``growth_interval``, ``min_scale``)."""
+        return cls(float(cfg.init_scale), growth_interval=int(cfg.growth_interval),
+                   min_scale=float(cfg.min_scale), group=group)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale_value
+
+    def unscale_(self, params: Iterable[torch.Tensor]) -> bool:
+        """Divide every gradient by the scale in place; return True on every rank if any rank saw
+        an inf/nan. The division happens in the gradients' dtype (fp32 master gradients)."""
+        inv = 1.0 / self.scale_value
+        flags = []
+        device = None
+        seen = set()
+        for p in params:
+            if p.grad is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            p.grad.mul_(inv)
+            flags.append(torch.isfinite(p.grad).all())
+            device = p.grad.device
+        local = bool(flags) and not bool(torch.stack(flags).all())
+        return any_rank(local, self.group, device or "cpu")
+
+    def update(self, found_inf: bool) -> None:
+        """Lower the scale after an overflow; raise it after ``growth_interval`` clean steps."""
+        if found_inf:
+            self.scale_value = max(self.scale_value * self.backoff_factor, self.min_scale)
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker >= self.growth_interval:
+            self.scale_value *= self.growth_factor
+            self.growth_tracker = 0
+
+    def get_scale(self) -> float:
+        return self.scale_value
+
+    def state_dict(self) -> dict:
+        return {
+            "scale": self.scale_value, "growth_tracker": self.growth_tracker, "init_scale": self.init_scale,
+            "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval, "min_scale": self.min_scale,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = {"scale", "growth_tracker"} - set(state)
+        if missing:
+            raise KeyError(f"DynamicLossScaler.load_state_dict: missing {sorted(missing)} in {sorted(state)}")
+        self.scale_value = float(state["scale"])
+        self.growth_tracker = int(state["growth_tracker"])
+        # The schedule's knobs come from the current config; the checkpoint's are kept only as a record.
+
+
+class Precision:
+    """What ``precision.dtype`` means on one device: the autocast context and, for fp16, the scaler.
+
+    ``scaler`` is ``None`` for fp32 and bf16 (bf16 has fp32's exponent range: nothing to scale).
+    """
+
+    def __init__(self, cfg, device, group: Optional[dist.ProcessGroup] = None):
+        self.name = str(cfg.dtype)
+        self.dtype = compute_dtype(self.name)
+        self.device = torch.device(device)
+        self.scaler = DynamicLossScaler.from_config(cfg, group) if self.name == "fp16" else None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return autocast(self.name, self.device)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.get_scale() if self.scaler is not None else 1.0
+
+    def __repr__(self) -> str:
+        return f"Precision({self.name}, device={self.device.type}, scaler={self.scaler is not None})"

@@ -1,0 +1,51 @@
+"""The learning-rate schedule: linear warm-up, then cosine decay to ``min_lr`` (or constant)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class WarmupCosine:
+    """Multiplier of the base LR after ``step`` applied optimizer steps (a ``LambdaLR`` lambda).
+
+    Warm-up: ``(step + 1) / warmup_steps`` for the first ``warmup_steps`` steps, so the first update
+    already moves (a zero LR would waste a step). Then ``schedule="cosine"`` falls from 1 to
+    ``min_ratio`` (= min_lr / lr) at ``total_steps`` and stays there; ``"constant"`` stays at 1.
+    A callable object rather than a closure, so ``LambdaLR.state_dict()`` records its settings.
+    """
+
+    warmup_steps: int
+    total_steps: int
+    min_ratio: float
+    schedule: str = "cosine"
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return 1.0
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_schedule(optimizer: torch.optim.Optimizer, optim_cfg, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` over ``optimizer`` from ``OptimConfig`` (lr, min_lr, warmup_steps, schedule).
+
+    Step it once per *applied* optimizer step: a skipped step (overflow, non-finite norm) does not
+    advance the schedule, which is also what DeepSpeed does.
+    """
+    schedule = str(optim_cfg.schedule)
+    if schedule not in ("cosine", "constant"):
+        raise ValueError(f"optim.schedule={schedule!r} is not one of ['cosine', 'constant']")
+    lr, min_lr, warmup = float(optim_cfg.lr), float(optim_cfg.min_lr), int(optim_cfg.warmup_steps)
+    if lr <= 0:
+        raise ValueError(f"optim.lr must be > 0, got {lr}")
+    if not 0.0 <= min_lr <= lr:
+        raise ValueError(f"optim.min_lr must be in [0, optim.lr={lr}], got {min_lr}")
+    if warmup < 0:
+        raise ValueError(f"optim.warmup_steps must be >= 0, got {warmup}")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, int(max_steps), min_lr / lr, schedule))

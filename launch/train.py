@@ -1,0 +1,137 @@
+"""Train the reference GPT with tensor (and data) parallelism.
+
+    torchrun --standalone --nproc_per_node=2 launch/train.py              # the main job (`make train`)
+    torchrun --standalone --nproc_per_node=4 launch/train.py parallel.tp=2 parallel.dp=2 precision=bf16 model=gpt_small
+    deepspeed --num_gpus=8 launch/train.py engine=deepspeed engine.zero_stage=1 parallel.tp=4
+    python launch/train.py trainer.max_steps=50                           # one process, no process group
+    python launch/train.py --multirun parallel.tp=1 optim.lr=1e-3,3e-4    # a Hydra sweep
+
+Options: conf/ (one folder per group), documented in bigdense/config.py. Everything a run writes
+goes to its Hydra run directory: metrics.jsonl, loss_curve.png, checkpoints/, train_rank*.log.
+"""
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from tqdm import tqdm
+
+import bigdense as bd
+from bigdense.config import ConfigError, register_configs
+from bigdense.data import prepare_data
+from bigdense.train import apply_recompute, build_engine
+from bigdense.train.loop import build_gpt, launcher_world, start_run
+from bigdense.train.metrics import DenseLayerStats, MetricsLog, peak_memory_gb, plot_loss_curve
+
+log = logging.getLogger("bigdense")
+register_configs()
+
+
+def evaluate(engine, data, ctx, n_batches: int) -> float:
+    """Mean held-out loss over a fixed set of batches (the same at every call), averaged over DP."""
+    losses = [engine.eval_loss(x, y) for x, y in data.val_batches(n_batches, ctx.dp_rank, ctx.dp_size)]
+    return sum(losses) / len(losses)
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg) -> None:
+    # 1. Check the config on every rank, then build the TP x DP mesh and seed every generator.
+    try:
+        run = start_run(cfg, HydraConfig.get().runtime.output_dir)
+    except ConfigError as err:
+        if launcher_world()[0] == 0:
+            print(f"bigdense: bad config: {err}", file=sys.stderr)
+        sys.exit(2)
+    ctx, tr = run.ctx, cfg.trainer
+
+    # 2. Data: the tokenizer and token arrays are built once (rank 0) and cached.
+    data = prepare_data(cfg.data, ctx, seed=cfg.trainer.seed)
+    log.info("data: %s", data.describe())
+
+    # 3. Parallelism, applied in a fixed order: TP (the model is built sharded), activation
+    #    checkpointing, then the engine (DP, precision, optimizer, clipping).
+    model = build_gpt(cfg.model, data.tokenizer.vocab_size, ctx)
+    apply_recompute(model.blocks, cfg.recompute)
+    engine = build_engine(
+        model, ctx, engine_cfg=cfg.engine, optim_cfg=cfg.optim, precision_cfg=cfg.precision,
+        micro_batch_size=cfg.data.micro_batch_size, grad_accum=cfg.data.grad_accum, max_steps=tr.max_steps,
+    )
+    counts = model.num_parameters()
+    log.info("model: %.2fM parameters, head %.2fM; mesh tp=%d x dp=%d on %s; engine=%s precision=%s recompute=%s",
+             counts["total"] / 1e6, counts["head"] / 1e6, ctx.tp_size, ctx.dp_size, ctx.device,
+             cfg.engine.kind, cfg.precision.dtype, cfg.recompute.mode)
+
+    # 4. Resume from this run directory's last complete checkpoint, if any.
+    start_step = 0
+    if tr.resume and (run.checkpoint_dir / "latest").exists():
+        meta = bd.load_checkpoint(run.checkpoint_dir / "latest", **engine.checkpoint_state())
+        start_step = meta.step
+        log.info("resumed from %s at step %d", run.checkpoint_dir / "latest", start_step)
+
+    def save(step: int) -> None:
+        bd.save_checkpoint(run.checkpoint_dir / f"step_{step:07d}", **engine.checkpoint_state(),
+                           step=step, config=cfg, extra={"data_step": step})
+
+    # 5. The loop. The batch of a step is a pure function of (seed, step), so the step number is
+    #    the whole data position.
+    metrics = MetricsLog(run.run_dir, ctx.is_main)
+    stats = DenseLayerStats(model, ctx.tp_group) if tr.log_rms else None
+    tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * ctx.dp_size
+    bar = tqdm(total=tr.max_steps, initial=start_step, disable=not (ctx.is_main and tr.progress_bar),
+               dynamic_ncols=True, desc="train")
+    window_start, window_steps = time.perf_counter(), 0
+    for step in range(start_step + 1, tr.max_steps + 1):
+        micro_batches = [data.train_batch(step, m, ctx.dp_rank, ctx.dp_size) for m in range(cfg.data.grad_accum)]
+        log_now = step % tr.log_interval == 0 or step == tr.max_steps
+        if stats is not None:
+            stats.capture = log_now
+        result = engine.train_step(micro_batches)
+        window_steps += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{result.loss:.3f}")
+        if result.skipped:
+            log.warning("step %d skipped: grad norm %s, loss scale %s", step, result.grad_norm, result.loss_scale)
+        if log_now:
+            step_time = (time.perf_counter() - window_start) / window_steps
+            record = {
+                "kind": "train", "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
+                "lr": result.lr, "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+                "peak_mem_gb": peak_memory_gb(ctx.device), "skipped": result.skipped,
+            }
+            if result.loss_scale is not None:
+                record["loss_scale"] = result.loss_scale
+            if stats is not None:
+                record.update(stats.collect())
+            metrics.write(record)
+            if ctx.is_main:
+                bar.write(f"step {step:5d} | loss {result.loss:.4f} | grad norm {result.grad_norm:.3f} | "
+                          f"lr {result.lr:.2e} | {record['tokens_per_s']:,.0f} tok/s | "
+                          f"{step_time * 1e3:.0f} ms/step | peak mem {record['peak_mem_gb']:.2f} GB")
+            window_start, window_steps = time.perf_counter(), 0
+        if tr.eval_interval and step % tr.eval_interval == 0 and step != tr.max_steps:
+            metrics.write({"kind": "eval", "step": step, "eval_loss": evaluate(engine, data, ctx, tr.eval_batches)})
+        if tr.save_interval and step % tr.save_interval == 0 and step != tr.max_steps:
+            save(step)
+    bar.close()
+
+    # 6. Held-out evaluation, the final checkpoint, the loss curve.
+    eval_loss = evaluate(engine, data, ctx, tr.eval_batches)
+    metrics.write({"kind": "eval", "step": tr.max_steps, "eval_loss": eval_loss})
+    log.info("held-out loss %.4f (perplexity %.1f) after %d steps", eval_loss, math.exp(min(eval_loss, 50)), tr.max_steps)
+    if start_step < tr.max_steps:
+        save(tr.max_steps)
+    metrics.close()
+    if ctx.is_main and tr.plot:
+        png = plot_loss_curve(metrics.path, Path(run.run_dir) / "loss_curve.png")
+        log.info("metrics: %s; loss curve: %s; checkpoints: %s", metrics.path, png, run.checkpoint_dir)
+    bd.destroy_parallel()
+
+
+if __name__ == "__main__":
+    # The deepspeed launcher passes --local_rank=N; Hydra only takes key=value overrides, and
+    # LOCAL_RANK is in the environment anyway.
+    sys.argv = [a for a in sys.argv if not a.startswith("--local_rank")]
+    main()

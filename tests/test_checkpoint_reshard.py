@@ -1,0 +1,119 @@
+"""A checkpoint saved at one TP x DP layout loads bit-identically at another, model and optimizer state.
+
+One reference state (3 AdamW steps at tp=2, gathered with plain collectives) is carried through a
+chain of saves and loads: tp=2 -> {tp=1 (no process group), tp=3, tp=4}; the tp=3 copy -> tp=2 x dp=2
+(under DDP), saved again from there -> tp=1, and exported to one dense file. Every rank compares
+every tensor it holds (uneven shards included) with torch.equal against its slice of the reference.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file
+
+import bigdense as bd
+from bigdense.testing import run_ranks
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from ckpt_common import (  # noqa: E402
+    TinyLM, assert_matches_reference, batch, full_states, make_optimizer, train_steps,
+)
+
+
+def _fresh(seed):
+    """A model and optimizer whose values differ from the reference's, so a no-op load fails."""
+    torch.manual_seed(seed)
+    model = TinyLM()
+    opt, sched = make_optimizer(model, lr=5e-4)
+    return model, opt, sched
+
+
+def _save_reference(ckpt):
+    ctx = bd.init_parallel(tp=2)
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt, sched = make_optimizer(model)
+    train_steps(model, opt, sched, 0, 3)
+    bd.save_checkpoint(ckpt, model, opt, scheduler=sched, step=3)
+    model.eval()
+    eval_loss = model(*batch(99)).item()
+    return full_states(model, opt, ctx.tp_group), eval_loss, sched.state_dict()
+
+
+def _load_and_check(ckpt, reference, tp, resave=None, ddp=False):
+    ctx = bd.init_parallel(tp=tp)
+    model, opt, sched = _fresh(seed=100 + ctx.rank)
+    wrapped = nn.parallel.DistributedDataParallel(model, process_group=ctx.dp_group) if ddp else model
+    info = bd.load_checkpoint(ckpt, wrapped, opt, scheduler=sched)
+    where = f"tp={ctx.tp_size} dp={ctx.dp_size} rank {ctx.rank}"
+    count = assert_matches_reference(model, opt, reference, where)
+    model.eval()
+    eval_loss = model(*batch(99)).item()
+    if resave:
+        bd.save_checkpoint(resave, wrapped, opt, scheduler=sched, step=info.step)
+    return count, info.step, info.saved_layout, eval_loss, sched.state_dict(), opt.param_groups[0]["lr"]
+
+
+def test_save_at_tp2_loads_bit_identically_at_tp_1_3_4_and_after_dp_changes(tmp_path):
+    ckpt_a, ckpt_b, ckpt_c = tmp_path / "a" / "step_3", tmp_path / "b" / "step_3", tmp_path / "c" / "step_3"
+    reference, ref_loss, ref_sched = run_ranks(_save_reference, 2, str(ckpt_a), timeout=120)[0]
+    assert (tmp_path / "a" / "latest").read_text().strip() == "step_3"
+
+    def check(results, saved_layout):
+        for count, step, layout, eval_loss, sched_state, lr in results:
+            assert count == len(reference) and step == 3 and layout == saved_layout
+            assert sched_state == ref_sched and lr == ref_sched["_last_lr"][0]
+            # The loss of the loaded model equals the saved one up to the order of the TP sums
+            # (all-reduce of partial products, split softmax statistics): fp32 rounding, ~1e-7 relative.
+            assert abs(eval_loss - ref_loss) <= 1e-5 * abs(ref_loss), (eval_loss, ref_loss)
+
+    check([_load_and_check(tmp_path / "a" / "latest", reference, 1)], {"tp": 2, "dp": 1, "world_size": 2})
+    bd.destroy_parallel()
+    check(run_ranks(_load_and_check, 3, str(ckpt_a), reference, 3, str(ckpt_b), timeout=120),
+          {"tp": 2, "dp": 1, "world_size": 2})
+    check(run_ranks(_load_and_check, 4, str(ckpt_a), reference, 4, timeout=120), {"tp": 2, "dp": 1, "world_size": 2})
+    # Saved at tp=3 (uneven the other way) -> tp=2 x dp=2 under DDP, which saves again with DP replicas.
+    check(run_ranks(_load_and_check, 4, str(ckpt_b), reference, 2, str(ckpt_c), True, timeout=120),
+          {"tp": 3, "dp": 1, "world_size": 3})
+    check([_load_and_check(ckpt_c, reference, 1)], {"tp": 2, "dp": 2, "world_size": 4})
+
+    # DP replicas wrote no shards of their own: one model file per TP rank, one RNG file per rank.
+    files = sorted(p.name for p in ckpt_c.iterdir())
+    assert files == ["common.pt", "manifest.json", "model-tp00-of-02.safetensors", "model-tp01-of-02.safetensors",
+                     "optim-tp00-of-02.safetensors", "optim-tp01-of-02.safetensors",
+                     "rank00000.pt", "rank00001.pt", "rank00002.pt", "rank00003.pt"]
+
+    # Offline export: one file, plain names, full tensors equal to the reference.
+    dense = load_file(bd.export_dense(ckpt_c, tmp_path / "dense.safetensors"))
+    model_ref = {k[len("model/"):]: v for k, v in reference.items() if k.startswith("model/")}
+    assert sorted(dense) == sorted(model_ref)
+    for name, value in model_ref.items():
+        assert torch.equal(dense[name], value), name
+
+
+def test_one_process_save_and_load_without_a_process_group_and_strict_names(tmp_path):
+    """Without any process group: save, change, load restores; strict=False reports extra names."""
+    torch.manual_seed(0)
+    model = TinyLM(dropout=0.0)
+    opt, sched = make_optimizer(model)
+    train_steps(model, opt, sched, 0, 2)
+    reference = full_states(model, opt)
+    bd.save_checkpoint(tmp_path / "s", model, opt, scheduler=sched, extra={"pos": 2})
+    train_steps(model, opt, sched, 2, 4)  # move away from the saved state
+    info = bd.load_checkpoint(tmp_path, model, opt, scheduler=sched)  # the directory holding `latest`
+    assert info.extra == {"pos": 2} and info.missing == [] and info.unexpected == []
+    assert_matches_reference(model, opt, reference, "tp=1")
+
+    class TinyLMPlus(TinyLM):
+        def __init__(self):
+            super().__init__(dropout=0.0)
+            self.extra = nn.Linear(2, 2)
+
+    bigger = TinyLMPlus()
+    with pytest.raises(bd.CheckpointError, match=r"missing from the checkpoint \['extra.weight', 'extra.bias'\]"):
+        bd.load_checkpoint(tmp_path / "s", bigger)
+    info = bd.load_checkpoint(tmp_path / "s", bigger, strict=False)
+    assert info.missing == ["extra.weight", "extra.bias"] and info.unexpected == []
+    assert torch.equal(bigger.mlp.up.weight, model.mlp.up.weight)

@@ -1,0 +1,114 @@
+"""`launch/train.py` end to end, as a user runs it: one process, torchrun, accelerate, a Hydra
+sweep, resuming, and bad configs that must stop every rank with one clear message.
+
+A small corpus (half a megabyte of the standard library, a 512-entry vocabulary, cached once per
+test session) and a one-block model keep every launch to a few seconds of work.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TRAIN = str(ROOT / "launch" / "train.py")
+LAUNCH_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    return [
+        "data.max_corpus_mb=0.5", "data.vocab_size=512", f"data.cache_dir={cache}", "data.seq_len=32",
+        "data.micro_batch_size=4", "model.d_model=64", "model.n_layers=1", "model.n_heads=2",
+        "model.head_chunk_size=64", "trainer.log_interval=2", "trainer.eval_batches=2",
+        "trainer.progress_bar=false", "optim.warmup_steps=2",
+    ]
+
+
+def run(cmd, **kw):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, **kw)
+    return out.returncode, out.stdout + out.stderr
+
+
+def torchrun(n, *args):
+    return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={n}", TRAIN, *args]
+
+
+def records(run_dir: Path, kind: str):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def test_one_process_trains_evaluates_saves_plots_and_resumes(tmp_path, small):
+    run_dir = tmp_path / "run"
+    code, out = run([sys.executable, TRAIN, *small, "trainer.max_steps=4", "trainer.save_interval=2",
+                     "precision=bf16", "recompute=full", "trainer.log_rms=true", f"hydra.run.dir={run_dir}"])
+    assert code == 0, out
+    assert "mesh tp=1 x dp=1" in out
+    train = records(run_dir, "train")
+    assert [r["step"] for r in train] == [2, 4]
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "peak_mem_gb"):
+        assert all(isinstance(r[key], float) for r in train), key
+    assert any(k.startswith("rms/blocks.0.mlp.down/") for k in train[-1])
+    assert records(run_dir, "eval")[-1]["step"] == 4
+    assert (run_dir / "loss_curve.png").stat().st_size > 1000
+    assert (run_dir / "checkpoints" / "latest").exists()
+
+    # The same run directory, a longer budget: it continues from step 4, not from scratch.
+    code, out = run([sys.executable, TRAIN, *small, "trainer.max_steps=6", "precision=bf16", "recompute=full",
+                     f"hydra.run.dir={run_dir}"])
+    assert code == 0, out
+    assert "at step 4" in out
+    assert [r["step"] for r in records(run_dir, "train")] == [2, 4, 6]
+
+
+def test_torchrun_two_processes_default_is_tp2(tmp_path, small):
+    code, out = run(torchrun(2, *small, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}"))
+    assert code == 0, out
+    assert "mesh tp=2 x dp=1" in out
+    assert (tmp_path / "checkpoints" / "latest").exists()
+    assert (tmp_path / "train_rank0.log").exists() and (tmp_path / "train_rank1.log").exists()
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("parallel.tp=3", "bigdense: bad config: parallel.tp=3 does not divide the number of processes (2)"),
+        ("model.n_heads=1", "bigdense: bad config: parallel.tp=2 must divide model.n_heads=1"),
+        ("data=files", "bigdense: bad config: data.source=files needs data.path"),
+        ("optim.schedule=linear", "bigdense: bad config: optim.schedule='linear' is not one of"),
+    ],
+)
+def test_bad_config_stops_every_rank_with_one_message(tmp_path, small, override, message):
+    code, out = run(torchrun(2, *small, override, f"hydra.run.dir={tmp_path}"))
+    assert code != 0
+    assert out.count(message) == 1, out
+
+
+def test_unknown_group_option_names_the_choices(tmp_path, small):
+    code, out = run([sys.executable, TRAIN, *small, "model=gpt_huge", f"hydra.run.dir={tmp_path}"])
+    assert code != 0
+    assert "Could not find 'model/gpt_huge'" in out and "gpt_tiny" in out
+
+
+def test_accelerate_launch_single_cpu_process(tmp_path, small):
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(ROOT / "launch/accelerate/cpu.yaml"), TRAIN,
+           *small, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}"]
+    code, out = run(cmd)
+    assert code == 0, out
+    assert len(records(tmp_path, "train")) == 1
+
+
+def test_hydra_multirun_sweep(tmp_path, small):
+    code, out = run([sys.executable, TRAIN, "--multirun", *small, "trainer.max_steps=2", "optim.lr=1e-3,3e-4",
+                     f"hydra.sweep.dir={tmp_path}"])
+    assert code == 0, out
+    jobs = sorted(p.parent for p in tmp_path.glob("*/metrics.jsonl"))
+    assert len(jobs) == 2
+    lrs = {json.loads((j / ".hydra" / "config.yaml").read_text().split("lr: ")[1].split()[0]) for j in jobs}
+    assert lrs == {1e-3, 3e-4}
