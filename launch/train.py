@@ -38,13 +38,17 @@ def evaluate(engine, data, ctx, n_batches: int) -> float:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg) -> None:
-    # 1. Check the config on every rank, then build the TP x DP mesh and seed every generator.
     try:
-        run = start_run(cfg, HydraConfig.get().runtime.output_dir)
-    except ConfigError as err:
+        train(cfg)
+    except ConfigError as err:  # raised on every rank alike, before any training step
         if launcher_world()[0] == 0:
             print(f"bigdense: bad config: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+def train(cfg) -> None:
+    # 1. Check the config on every rank, then build the TP x DP mesh and seed every generator.
+    run = start_run(cfg, HydraConfig.get().runtime.output_dir)
     ctx, tr = run.ctx, cfg.trainer
 
     # 2. Data: the tokenizer and token arrays are built once (rank 0) and cached.
