@@ -23,7 +23,8 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 train: setup
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/train.py $(ARGS)
+	OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
+	  $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) --max-restarts=1 launch/train.py $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)

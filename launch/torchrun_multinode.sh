@@ -16,6 +16,8 @@ MASTER_PORT=${MASTER_PORT:-29500}
 RUN_ID=${RUN_ID:?set RUN_ID, the same on every node}
 NPROC_PER_NODE=${NPROC_PER_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 [ "$NPROC_PER_NODE" -gt 0 ] || NPROC_PER_NODE=1
+# Restarted workers must not read dead peers' addresses from the agent's shared store (pytorch#135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 exec torchrun \
   --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" \

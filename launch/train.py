@@ -86,7 +86,7 @@ def train(cfg) -> None:
     tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * ctx.dp_size
     bar = tqdm(total=tr.max_steps, initial=start_step, disable=not (ctx.is_main and tr.progress_bar),
                dynamic_ncols=True, desc="train")
-    window_start, window_steps = time.perf_counter(), 0
+    window_start, window_steps, window_losses = time.perf_counter(), 0, []
     for step in range(start_step + 1, tr.max_steps + 1):
         micro_batches = [data.train_batch(step, m, ctx.dp_rank, ctx.dp_size) for m in range(cfg.data.grad_accum)]
         log_now = step % tr.log_interval == 0 or step == tr.max_steps
@@ -94,31 +94,37 @@ def train(cfg) -> None:
             stats.capture = log_now
         result = engine.train_step(micro_batches)
         window_steps += 1
+        if not result.skipped:
+            window_losses.append(result.loss)
         bar.update(1)
         bar.set_postfix(loss=f"{result.loss:.3f}")
         if result.skipped:
             log.warning("step %d skipped: grad norm %s, loss scale %s", step, result.grad_norm, result.loss_scale)
         if log_now:
             step_time = (time.perf_counter() - window_start) / window_steps
+            # The loss averaged over the log interval: one step's loss is too noisy to read.
+            mean_loss = sum(window_losses) / len(window_losses) if window_losses else float("nan")
             record = {
-                "kind": "train", "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
+                "kind": "train", "step": step, "loss": mean_loss, "last_loss": result.loss, "grad_norm": result.grad_norm,
                 "lr": result.lr, "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-                "peak_mem_gb": peak_memory_gb(ctx.device), "skipped": result.skipped,
+                "peak_mem_gb": peak_memory_gb(ctx.device), "skipped": result.skipped, "loss_scale": result.loss_scale,
             }
-            if result.loss_scale is not None:
-                record["loss_scale"] = result.loss_scale
             if stats is not None:
                 record.update(stats.collect())
             metrics.write(record)
             if ctx.is_main:
-                bar.write(f"step {step:5d} | loss {result.loss:.4f} | grad norm {result.grad_norm:.3f} | "
+                bar.write(f"step {step:5d} | loss {mean_loss:.4f} | grad norm {result.grad_norm:.3f} | "
                           f"lr {result.lr:.2e} | {record['tokens_per_s']:,.0f} tok/s | "
                           f"{step_time * 1e3:.0f} ms/step | peak mem {record['peak_mem_gb']:.2f} GB")
-            window_start, window_steps = time.perf_counter(), 0
         if tr.eval_interval and step % tr.eval_interval == 0 and step != tr.max_steps:
-            metrics.write({"kind": "eval", "step": step, "eval_loss": evaluate(engine, data, ctx, tr.eval_batches)})
+            eval_loss = evaluate(engine, data, ctx, tr.eval_batches)
+            metrics.write({"kind": "eval", "step": step, "eval_loss": eval_loss})
+            if ctx.is_main:
+                bar.write(f"step {step:5d} | held-out loss {eval_loss:.4f}")
         if tr.save_interval and step % tr.save_interval == 0 and step != tr.max_steps:
             save(step)
+        if log_now:  # evaluation and saving stay out of the next interval's step time
+            window_start, window_steps, window_losses = time.perf_counter(), 0, []
     bar.close()
 
     # 6. Held-out evaluation, the final checkpoint, the loss curve.

@@ -112,3 +112,17 @@ def test_hydra_multirun_sweep(tmp_path, small):
     assert len(jobs) == 2
     lrs = {json.loads((j / ".hydra" / "config.yaml").read_text().split("lr: ")[1].split()[0]) for j in jobs}
     assert lrs == {1e-3, 3e-4}
+
+
+def test_deepspeed_launcher_with_the_deepspeed_engine(tmp_path, small):
+    import socket
+
+    with socket.socket() as s:  # the launcher's rendezvous port; it insists on being told one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(BIN / "deepspeed"), "--num_gpus=2", f"--master_port={port}", TRAIN, "engine=deepspeed",
+           "engine.zero_stage=1", *small, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}"]
+    code, out = run(cmd)
+    assert code == 0, out
+    assert "mesh tp=2 x dp=1" in out and "engine=deepspeed" in out
+    assert (tmp_path / "checkpoints" / "latest").exists()
