@@ -29,12 +29,12 @@ Gradient strategy (``strategy=``):
 
 Measured with ``python -m bigdense.bench.head --contenders bigdense,bigdense-recompute`` (1024 ->
 131,072 classes, 4,096 tokens, fp32, bias, mean; tp=2 on two 1-thread gloo processes; automatic
-chunk of 256 tokens; this 2-core machine, shared with other jobs, so the best iteration is the
-steady figure)::
+chunk of 256 tokens; this 2-core machine, shared with other jobs, so the best iteration and the
+CPU time per rank are the steady figures; medians ranged widely with the load)::
 
-    strategy     best fwd+bwd   medians seen    peak RSS / rank
-    forward        16.9 s       17.0 - 26.9 s      0.95 GB
-    recompute      24.7 s       25.2 - 34.4 s      0.95 GB
+    strategy     best fwd+bwd   CPU s / rank   peak RSS / rank
+    forward        16.9 s        17.1 - 17.8       0.95 GB
+    recompute      24.7 s        24.1              0.95 GB
 
 ``"forward"`` is the default: a third less time (the fourth matmul and a second softmax pass are
 gone) for the same peak memory -- in both, the peak is the weight, its gradient and one chunk of
