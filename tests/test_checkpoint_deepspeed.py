@@ -26,31 +26,6 @@ from ckpt_common import (  # noqa: E402
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
-class _MPU:
-    """DeepSpeed's model-parallel interface over the bigdense context, so ZeRO partitions over DP only."""
-
-    def __init__(self, ctx):
-        self.ctx = ctx
-
-    def get_model_parallel_rank(self):
-        return self.ctx.tp_rank
-
-    def get_model_parallel_world_size(self):
-        return self.ctx.tp_size
-
-    def get_model_parallel_group(self):
-        return self.ctx.tp_group
-
-    def get_data_parallel_rank(self):
-        return self.ctx.dp_rank
-
-    def get_data_parallel_world_size(self):
-        return self.ctx.dp_size
-
-    def get_data_parallel_group(self):
-        return self.ctx.dp_group
-
-
 def _engine(ctx, stage, bf16=False, seed=None):
     torch.manual_seed(100 + ctx.rank if seed is None else seed)  # unlike the checkpoint's: a no-op load fails
     model = TinyLM(dropout=0.0 if bf16 else 0.1)
@@ -59,7 +34,7 @@ def _engine(ctx, stage, bf16=False, seed=None):
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}},
         "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
     }
-    engine, *_ = deepspeed.initialize(model=model, config=config, mpu=_MPU(ctx), model_parameters=model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, config=config, mpu=bd.DeepSpeedMPU(ctx), model_parameters=model.parameters())
     return engine
 
 
