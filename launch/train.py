@@ -43,6 +43,10 @@ def main(cfg) -> None:
     except ConfigError as err:  # raised on every rank alike, before any training step
         if launcher_world()[0] == 0:
             print(f"bigdense: bad config: {err}", file=sys.stderr)
+        else:
+            # Leave the message to rank 0: torchrun stops every rank once the first one exits, so
+            # the others give it time to print before they go (they are normally stopped first).
+            time.sleep(10)
         sys.exit(2)
 
 
