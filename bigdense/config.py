@@ -196,7 +196,7 @@ def validate(cfg, world_size: int, device_type: str) -> None:
     _choice("data.source", cfg.data.source, ("stdlib", "files"))
     for key in ("model.d_model", "model.n_layers", "model.n_heads", "model.max_seq_len", "model.head_chunk_size",
                 "data.seq_len", "data.micro_batch_size", "data.grad_accum", "trainer.max_steps",
-                "trainer.log_interval", "optim.lr", "recompute.every"):
+                "trainer.log_interval", "trainer.eval_batches", "optim.lr", "recompute.every"):
         group, name = key.split(".")
         _positive(key, getattr(getattr(cfg, group), name))
     if not 0.0 <= m.dropout < 1.0:

@@ -97,6 +97,8 @@ def train(cfg) -> None:
         if stats is not None:
             stats.capture = log_now
         result = engine.train_step(micro_batches)
+        if stats is not None:
+            stats.capture = False  # not through the evaluation that may follow
         window_steps += 1
         if not result.skipped:
             window_losses.append(result.loss)
@@ -131,12 +133,12 @@ def train(cfg) -> None:
             window_start, window_steps, window_losses = time.perf_counter(), 0, []
     bar.close()
 
-    # 6. Held-out evaluation, the final checkpoint, the loss curve.
+    # 6. The final checkpoint, a held-out evaluation, the loss curve.
+    if start_step < tr.max_steps:
+        save(tr.max_steps)
     eval_loss = evaluate(engine, data, ctx, tr.eval_batches)
     metrics.write({"kind": "eval", "step": tr.max_steps, "eval_loss": eval_loss})
     log.info("held-out loss %.4f (perplexity %.1f) after %d steps", eval_loss, math.exp(min(eval_loss, 50)), tr.max_steps)
-    if start_step < tr.max_steps:
-        save(tr.max_steps)
     metrics.close()
     if ctx.is_main and tr.plot:
         png = plot_loss_curve(metrics.path, Path(run.run_dir) / "loss_curve.png")

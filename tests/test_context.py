@@ -14,9 +14,11 @@ def test_alone_it_is_a_one_rank_context_without_process_group():
     assert bd.get_default_context() is ctx
 
 
-def test_alone_asking_for_tp_gives_a_launch_hint():
-    with pytest.raises(ValueError, match=r"tp \(2\) x parallel.dp \(1\) = 2, but the world size is 1.*torchrun --nproc_per_node=2"):
-        bd.init_parallel(tp=2)
+def test_alone_asking_for_tp_runs_as_one_rank_with_a_launch_hint():
+    with pytest.warns(UserWarning, match=r"no distributed environment, running as one rank.*torchrun --nproc_per_node=2"):
+        ctx = bd.init_parallel(tp=2)
+    assert ctx.tp_size == 1 and ctx.tp_group is None
+    assert bd.ColumnParallelLinear(4, 6).weight.shape == (6, 4)
 
 
 @pytest.mark.parametrize("tp,dp,world", [(0, 1, 1), (2, 2, 3), (1.5, 1, 1)])

@@ -352,3 +352,18 @@ def test_bad_arguments_are_named():
         bd.ParallelClassifierHead(IN, 0)
     with pytest.raises(ValueError, match="grad_strategy"):
         bd.ParallelClassifierHead(IN, 5, grad_strategy="later")
+
+
+def test_no_grad_evaluation_forms_no_gradients(monkeypatch):
+    """Under no_grad (evaluation) the loss is the same, and not one gradient matmul runs."""
+    import bigdense.layers.vocab_ce as vocab_ce
+
+    torch.manual_seed(0)
+    head = bd.ParallelClassifierHead(16, 37, chunk_size=4)
+    h, target = torch.randn(10, 16, requires_grad=True), torch.randint(0, 37, (10,))
+    expected = head.loss(h, target)
+    calls = []
+    monkeypatch.setattr(vocab_ce, "_accumulate", lambda *a, **k: calls.append(1))
+    with torch.no_grad():
+        assert torch.equal(head.loss(h, target), expected.detach())
+    assert not calls

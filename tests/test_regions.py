@@ -14,6 +14,14 @@ def _regions(tp):
     ctx = bd.init_parallel(tp=tp)
     for width in (8, 7, 3):  # even for tp=2/4, uneven for 3; 3 < tp=4 leaves one rank empty
         _check_regions(ctx.tp_rank, ctx.tp_group, tp, width)
+    # Shards that no balanced split would produce: widths 1 and 3 on two ranks.
+    if tp == 2:
+        x = torch.arange(6.0).view(2, 3)[:, : 1 + 2 * ctx.tp_rank].clone().requires_grad_()
+        y = gather_from_tp(x, ctx.tp_group)
+        assert y.shape == (2, 4)
+        y.backward(torch.arange(8.0).view(2, 4))
+        expected = torch.arange(8.0).view(2, 4)[:, :1] if ctx.tp_rank == 0 else torch.arange(8.0).view(2, 4)[:, 1:]
+        assert torch.equal(x.grad, expected)
     return True
 
 
@@ -42,8 +50,12 @@ def _check_regions(r, g, tp, width):
     assert torch.equal(y, full)
     y.backward(full * 2)
     assert torch.equal(x.grad, full[..., lo:hi] * 2)
-    # Without sizes, the shard widths are exchanged first.
-    assert torch.equal(gather_from_tp(full[..., lo:hi], g), full)
+    # Without sizes, the shard widths are exchanged first, and the backward splits the same way.
+    x = full[..., lo:hi].clone().requires_grad_()
+    y = gather_from_tp(x, g)
+    assert torch.equal(y, full)
+    y.backward(full * 3)
+    assert torch.equal(x.grad, full[..., lo:hi] * 3)
 
     # scatter: forward keeps this rank's slice; backward gathers every rank's grad slice.
     x = full.clone().requires_grad_()

@@ -87,8 +87,10 @@ class TensorParallelModule(nn.Module):
 def materialize(module: nn.Module, device="cpu") -> nn.Module:
     """Allocate a module built on the meta device and initialise it in place.
 
-    bigdense layers refill from the seeds they drew at construction, so the result equals an eager
-    build after the same ``torch.manual_seed``; other modules get their own ``reset_parameters()``.
+    bigdense layers refill from the seeds they drew at construction, so their values equal an eager
+    build's after the same ``torch.manual_seed``. Other modules get their own ``reset_parameters()``,
+    which draws afresh and uses torch's default law (an ``nn.Embedding`` gets N(0, 1) even if the
+    eager code re-initialised it): re-apply custom initialisation of such modules after this.
     """
     module.to_empty(device=device)
     for sub in module.modules():

@@ -119,8 +119,9 @@ class ParallelClassifierHead(ColumnParallelLinear):
         """This rank's shard of the logits, (*, classes_local). Grad of ``h`` is summed over TP."""
         return super().forward(h)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.logits(h)
+    def forward(self, h: torch.Tensor, target: Optional[torch.Tensor] = None, **loss_options) -> torch.Tensor:
+        """``logits(h)``; with ``target``, ``loss(h, target, **loss_options)`` (so hooks see the head)."""
+        return self.logits(h) if target is None else self.loss(h, target, **loss_options)
 
     # ---- loss ----
     def loss(
@@ -163,6 +164,11 @@ class ParallelClassifierHead(ColumnParallelLinear):
             chunk_size=self._chunk(),
             strategy="recompute" if reduction == "none" else self.grad_strategy,
             compute_dtype=compute_dtype,
+            # Decided here: inside the autograd function grad mode is always off and
+            # needs_input_grad says True even under no_grad, so evaluation would form gradients.
+            grad_wanted=torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (h, self.weight, self.bias)
+            ),
         )
         flat_h = h.reshape(-1, self.in_features)
         out = FusedVocabParallelCE.apply(flat_h, self.weight, self.bias, target.reshape(-1), cfg)

@@ -113,7 +113,8 @@ INITIALIZERS: dict[str, Initializer] = {
     # flax's lecun_normal: truncated at 2 std, rescaled so the variance is 1/fan_in.
     "lecun_normal": Initializer("lecun_normal", _trunc_normal(lambda fi, fo: 1.0 / math.sqrt(fi) / _TRUNC2_STD)),
     "orthogonal": _Orthogonal("orthogonal", None),
-    # GPT-2 / Megatron: N(0, 0.02^2) truncated at 2 std.
+    # GPT-2 / Megatron's N(0, 0.02^2), truncated at 2 std (as timm's trunc_normal_(std=.02)):
+    # the resulting std is 0.0176.
     "trunc_normal": Initializer("trunc_normal", _trunc_normal(lambda fi, fo: 0.02)),
     # nn.Embedding's own: N(0, 1).
     "normal": Initializer("normal", _normal(lambda fi, fo: 1.0)),

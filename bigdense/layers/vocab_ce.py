@@ -73,6 +73,7 @@ class CEConfig:
     chunk_size: int
     strategy: str  # "forward" | "recompute"
     compute_dtype: torch.dtype  # the matmul dtype: autocast's, else the input's
+    grad_wanted: bool = True  # False under no_grad / for frozen inputs: no gradient work at all
 
 
 def _chunk_stats(zt: torch.Tensor, t_local: torch.Tensor, in_shard: torch.Tensor, smoothing: bool):
@@ -141,7 +142,7 @@ class FusedVocabParallelCE(torch.autograd.Function):
 
 def _forward(ctx, h, weight, bias, target, cfg: CEConfig):
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    grads_now = cfg.strategy == "forward" and (need_h or need_w or need_b)
+    grads_now = cfg.grad_wanted and cfg.strategy == "forward" and (need_h or need_w or need_b)
     n_tokens, c_local = h.shape[0], weight.shape[0]
     smoothing = cfg.label_smoothing > 0
 

@@ -46,8 +46,7 @@ class ParallelClassifier(nn.Module):
         return self.ln_f(h)
 
     def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None) -> torch.Tensor:
-        h = self.features(x)
-        return self.head.logits(h) if target is None else self.head.loss(h, target)
+        return self.head(self.features(x), target)
 
     def predict(self, x: torch.Tensor, k: int = 1):
         """Global top-k (scores, class ids), each (B, k), without gathering the logits."""

@@ -146,10 +146,7 @@ class GPT(nn.Module):
         return self.ln_f(x)
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        h = self.hidden(idx)
-        if targets is None:
-            return self.head.logits(h)
-        return self.head.loss(h, targets)
+        return self.head(self.hidden(idx), targets)
 
     def num_parameters(self) -> dict[str, int]:
         """Global parameter counts (unsharded), total and of the largest dense layer (the head)."""

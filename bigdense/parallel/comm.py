@@ -37,13 +37,6 @@ def all_reduce_(tensor: torch.Tensor, group: Optional[ProcessGroup], op=dist.Red
     return tensor
 
 
-def all_reduce_async_(tensor: torch.Tensor, group: Optional[ProcessGroup], op=dist.ReduceOp.SUM):
-    """Start an in-place all-reduce; returns a work handle (``None`` when there is nothing to do)."""
-    if group_size(group) > 1:
-        return dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return None
-
-
 def all_gather_sizes(length: int, group: Optional[ProcessGroup], device) -> list[int]:
     """Every rank's ``length``, in rank order (one tiny collective)."""
     if group_size(group) == 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -138,14 +139,20 @@ def init_parallel(
     if needed -- ``nccl`` on CUDA, ``gloo`` on CPU, unless ``backend`` says otherwise -- and splits
     the world into TP groups of ``tp`` consecutive ranks and DP groups across them. ``dp`` defaults
     to ``world_size // tp``; ``tp * dp`` must equal the world size. Alone (no launcher) it returns a
-    1-rank context. ``timeout`` (seconds or a timedelta) bounds every collective, so a rank that
+    1-rank context whatever ``tp`` says -- the same script runs unsharded in one process -- and
+    warns when ``tp`` or ``dp`` asked for more. ``timeout`` (seconds or a timedelta) bounds every collective, so a rank that
     fails cannot leave the others waiting forever.
     """
     global _owns_process_group
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
     if not dist.is_initialized() and not _in_launcher():
-        ParallelDims(tp, 1 if dp is None else dp, 1)  # raises, with a launch hint, unless tp == dp == 1
+        if (tp, dp or 1) != (1, 1):
+            warnings.warn(
+                f"init_parallel(tp={tp}, dp={dp}): no distributed environment, running as one rank "
+                f"(tp=1, dp=1); launch with `torchrun --nproc_per_node={tp * (dp or 1)} ...` to shard",
+                stacklevel=2,
+            )
         ctx = single_process_context()
         set_default_context(ctx)
         return ctx

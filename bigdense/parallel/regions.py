@@ -46,6 +46,8 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, sizes):
+        if sizes is None:  # the backward must split exactly as the shards came
+            sizes = comm.all_gather_sizes(x.shape[-1], group, x.device)
         ctx.group, ctx.sizes = group, sizes
         return comm.all_gather_dim(x, -1, group, sizes)
 

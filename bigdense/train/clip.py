@@ -12,7 +12,7 @@ from ..parallel import comm
 from ..parallel.context import resolve_tp_group
 
 
-def _unique_params(model_or_params) -> list[torch.Tensor]:
+def unique_params(model_or_params) -> list[torch.Tensor]:
     if isinstance(model_or_params, nn.Module):
         candidates = model_or_params.parameters()
     elif isinstance(model_or_params, torch.Tensor):
@@ -64,7 +64,7 @@ def clip_grad_norm_(
     if not (norm_type > 0):
         raise ValueError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type}")
     group = resolve_tp_group(tp_group)
-    every = _unique_params(model_or_params)
+    every = unique_params(model_or_params)
     params = [p for p in every if p.grad is not None]
     grads = [p.grad for p in params]
     # A rank without gradients still joins the all-reduce, on the device its collectives use.

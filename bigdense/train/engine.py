@@ -211,6 +211,9 @@ class DDPEngine(Engine):
     def train_step(self, micro_batches) -> StepResult:
         micro_batches = self._check_micro_batches(micro_batches)
         self.model.train()
+        # Cleared here rather than after the step, so the gradients just applied stay readable
+        # (the loop's gradient-RMS logging reads them).
+        self.optimizer.zero_grad(set_to_none=True)
         n = len(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for i, (x, y) in enumerate(micro_batches):
@@ -235,7 +238,6 @@ class DDPEngine(Engine):
             self.scheduler.step()
         if self.scaler is not None:
             self.scaler.update(skip)
-        self.optimizer.zero_grad(set_to_none=True)
         return StepResult(self._dp_mean(loss_sum / n), float(norm), bool(skip), lr, loss_scale)
 
 

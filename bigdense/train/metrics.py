@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..layers.base import TensorParallelModule
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..parallel import comm
 
 
@@ -44,67 +45,71 @@ class MetricsLog:
             self._file.close()
 
 
-class DenseLayerStats:
-    """RMS of each dense layer's weight, output activation and weight gradient, over the whole
-    (unsharded) tensor: sharded pieces contribute their sums of squares, summed over TP.
+def _is_dense(module: nn.Module) -> bool:
+    return isinstance(module, (TensorParallelModule, nn.Linear, nn.Embedding))
 
-    Hooks record activations only while ``capture`` is on (one micro-batch per log interval), so
-    the cost is paid at log steps only.
+
+class DenseLayerStats:
+    """RMS of each dense layer's weight and weight gradient, and of its input (``act_in``) and
+    output (``act``) activations, each over the whole (unsharded) tensor: sharded pieces
+    contribute their sums of squares, summed over TP.
+
+    Dense layers are bigdense's layers, ``nn.Linear`` and ``nn.Embedding``. ``ParallelMLP`` has no
+    weight of its own but its input is what its ``up``/``gate`` projections see (they run inside
+    it, not as modules), so it reports activations. The head reports its input only: its output is
+    the loss; its logits are never materialised. Hooks record while ``capture`` is on (the loop
+    turns it on for the steps it logs), the last forward of the step winning.
     """
 
     def __init__(self, model: nn.Module, tp_group):
         self.tp_group = tp_group
         self.capture = False
         self._acts: dict[str, tuple[torch.Tensor, int, bool]] = {}
-        self._layers = {
-            name: m for name, m in model.named_modules()
-            if isinstance(m, (TensorParallelModule, nn.Linear, nn.Embedding)) and hasattr(m, "weight")
-            and not any(isinstance(c, TensorParallelModule) for c in m.children())
-        }
-        for name, module in self._layers.items():
-            module.register_forward_hook(self._hook(name))
+        self._weighted = {name: m for name, m in model.named_modules() if _is_dense(m) and hasattr(m, "weight")}
+        for name, module in model.named_modules():
+            if _is_dense(module):
+                module.register_forward_hook(self._hook(name))
 
     def _hook(self, name):
         def record(module, inputs, output):
-            if self.capture and isinstance(output, torch.Tensor):
-                out = output.detach().float()
-                # Column-style layers hand out a shard of the last dim; Row/embedding outputs are whole.
-                sharded = getattr(module, "gather_output", True) is False
-                self._acts[name] = (out.square().sum(), out.numel(), sharded)
+            if not self.capture:
+                return
+            x = inputs[0] if inputs else None
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                # A row-parallel layer takes this rank's slice of the hidden features.
+                sharded = isinstance(module, RowParallelLinear) and module.input_is_parallel
+                self._record(f"{name}/act_in", x, sharded)
+            if isinstance(output, torch.Tensor) and output.is_floating_point() and output.dim() > 0:
+                # Column-parallel layers hand out their slice of the output features.
+                sharded = isinstance(module, ColumnParallelLinear) and not module.gather_output
+                self._record(f"{name}/act", output, sharded)
 
         return record
 
+    def _record(self, key: str, t: torch.Tensor, sharded: bool) -> None:
+        t = t.detach().float()
+        self._acts[key] = (t.square().sum(), t.numel(), sharded)
+
     def collect(self) -> dict[str, float]:
-        """``{"rms/<layer>/weight|act|grad": value}``; a collective over TP (every rank must call it)."""
-        keys, sums, counts = [], [], []
-
-        def add(key, tensor: Optional[torch.Tensor], sharded: bool):
-            if tensor is None:
-                return
-            t = tensor.detach().float()
-            keys.append(key)
-            # Replicated tensors are counted on TP rank 0 only, so the sum over TP counts them once.
-            own = sharded or comm.group_rank(self.tp_group) == 0
-            sums.append(t.square().sum() if own else t.new_zeros(()))
-            counts.append(float(t.numel()) if own else 0.0)
-
-        for name, module in self._layers.items():
-            specs = module.bd_shard_specs() if isinstance(module, TensorParallelModule) else {}
-            add(f"rms/{name}/weight", module.weight, "weight" in specs)
-            add(f"rms/{name}/grad", module.weight.grad, "weight" in specs)
-            if name in self._acts:
-                total, numel, sharded = self._acts[name]
-                keys.append(f"rms/{name}/act")
-                own = sharded or comm.group_rank(self.tp_group) == 0
-                sums.append(total if own else total.new_zeros(()))
-                counts.append(float(numel) if own else 0.0)
+        """``{"rms/<layer>/weight|grad|act_in|act": value}``; a collective over TP (every rank calls it)."""
+        entries: list[tuple[str, torch.Tensor, float, bool]] = []
+        for name, module in self._weighted.items():
+            sharded = getattr(module.weight, "tensor_model_parallel", False)
+            for kind, t in (("weight", module.weight), ("grad", module.weight.grad)):
+                if t is not None:
+                    t = t.detach().float()
+                    entries.append((f"{name}/{kind}", t.square().sum(), float(t.numel()), sharded))
+        entries += [(key, total, float(numel), sharded) for key, (total, numel, sharded) in self._acts.items()]
         self._acts.clear()
-        if not keys:
+        if not entries:
             return {}
-        stacked = torch.stack([torch.stack(sums).cpu(), torch.tensor(counts)])
-        device = next(iter(self._layers.values())).weight.device
-        stacked = comm.all_reduce_(stacked.to(device), self.tp_group).cpu()
-        return {k: math.sqrt(s / c) if c else 0.0 for k, s, c in zip(keys, stacked[0].tolist(), stacked[1].tolist())}
+        # Replicated tensors count on TP rank 0 only, so the sum over TP counts them once.
+        own = [sharded or comm.group_rank(self.tp_group) == 0 for _, _, _, sharded in entries]
+        sums = torch.stack([total if o else total.new_zeros(()) for (_, total, _, _), o in zip(entries, own)])
+        counts = torch.tensor([numel if o else 0.0 for (_, _, numel, _), o in zip(entries, own)], device=sums.device)
+        totals = comm.all_reduce_(torch.stack([sums, counts]), self.tp_group).cpu()
+        return {f"rms/{key}": math.sqrt(s / c) if c else 0.0
+                for (key, *_), s, c in zip(entries, totals[0].tolist(), totals[1].tolist())}
 
 
 def plot_loss_curve(metrics_path: Path, png_path: Path) -> Optional[Path]:

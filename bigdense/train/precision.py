@@ -21,6 +21,9 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from ..parallel import comm
+from .clip import unique_params
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -46,11 +49,10 @@ def any_rank(flag: bool, group: Optional[dist.ProcessGroup], device="cpu") -> bo
 
     ``group=None`` means one rank: no collective.
     """
-    if group is None or dist.get_world_size(group) == 1:
+    if comm.group_size(group) == 1:
         return bool(flag)
     t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item() > 0)
+    return bool(comm.all_reduce_(t, group, op=dist.ReduceOp.MAX).item() > 0)
 
 
 class DynamicLossScaler:
@@ -113,11 +115,9 @@ class DynamicLossScaler:
         inv = 1.0 / self.scale_value
         flags = []
         device = None
-        seen = set()
-        for p in params:
-            if p.grad is None or id(p) in seen:
+        for p in unique_params(params):
+            if p.grad is None:
                 continue
-            seen.add(id(p))
             p.grad.mul_(inv)
             flags.append(torch.isfinite(p.grad).all())
             device = p.grad.device
