@@ -2,9 +2,11 @@
 #   make train    the main job: train the reference GPT on 2 CPU processes (tp=2)
 #   make test     the test suite
 # Both create .venv on first use. With no torch in it, torch $(TORCH_VERSION) is installed first,
-# so pip never resolves an unpinned torch (on a machine without torch that means a multi-GB CUDA
-# build); bring your own torch with `make TORCH_VERSION=2.6.0 ...` or install bigdense into an
-# environment that already has one: `pip install -e .[dev]`.
+# so pip never resolves an unpinned torch for bigdense's `torch>=2.4` itself. Which build that pin
+# brings is pip's business: this project's machines hold a local CPU wheel of 2.13.0; elsewhere PyPI
+# serves its default build for the platform. To choose, run `make TORCH_VERSION=...` on a fresh
+# .venv (an existing torch there is kept), or install bigdense into an environment that already
+# has the torch you want: `pip install -e .[dev]`.
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 VENV := .venv
@@ -12,7 +14,7 @@ PY := $(VENV)/bin/python
 NPROC ?= 2
 ARGS ?=
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,8 +25,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 train: setup
-	OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
-	  $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) --max-restarts=1 launch/train.py $(ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/train.py $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)

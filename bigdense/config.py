@@ -1,8 +1,8 @@
 """The training configuration: one dataclass per Hydra config group, with documented defaults.
 
-``conf/<group>/<option>.yaml`` files fill these schemas (registered below as ``<group>/_schema``
-and used by each option's defaults list), so a misspelt key or a wrong type fails when Hydra
-composes the config. `validate` then checks what a schema cannot (ranges, combinations, the
+``conf/<group>/<option>.yaml`` files fill these schemas: ``conf/config.yaml`` starts from
+`TrainConfig` (registered as ``_train_schema``), whose fields are the groups' dataclasses, so a
+misspelt key or a wrong type fails when Hydra composes the config, naming the key. `validate` then checks what a schema cannot (ranges, combinations, the
 machine) and raises `ConfigError` naming the key, before any work starts.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .layers.init import INITIALIZERS
 
 
 class ConfigError(ValueError):
@@ -111,9 +112,9 @@ class TrainerConfig:
     max_steps: int = 200
     seed: int = 1234
     log_interval: int = 10
-    eval_interval: int = 0  # 0: evaluate only at the end
+    eval_interval: int = 50  # 0: evaluate only at the end
     eval_batches: int = 20
-    save_interval: int = 0  # 0: save only at the end
+    save_interval: int = 100  # 0: save only at the end
     resume: bool = True  # continue from checkpoints/latest in the run directory if it exists
     log_rms: bool = False  # also log the RMS of every dense layer's weights, activations, gradients
     progress_bar: bool = True
@@ -132,29 +133,19 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-GROUPS = {
-    "model": ModelConfig,
-    "recompute": RecomputeConfig,
-    "parallel": ParallelConfig,
-    "precision": PrecisionConfig,
-    "engine": EngineConfig,
-    "optim": OptimConfig,
-    "data": DataConfig,
-    "trainer": TrainerConfig,
-}
-
-
 def run_dir_name() -> str:
     """The run directory's name, the same on every rank of one launch and across its restarts.
 
-    Under torchrun it is the rendezvous id (``--standalone`` makes a fresh one per launch, and
-    restarts after a crash keep it, so a restarted job finds its own checkpoints); alone, the time.
+    Under torchrun it is the whole rendezvous id, and nothing else (``--standalone`` makes a fresh
+    one per launch; restarts, requeues and relaunches with the same ``--rdzv-id`` keep it, even past
+    midnight, so the job finds its own checkpoints); alone, the date and time.
     """
+    import re
     import time
 
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     if run_id != "none":
-        return time.strftime("%Y-%m-%d") + "/torchrun-" + run_id[:12]
+        return "torchrun-" + re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
     return time.strftime("%Y-%m-%d/%H-%M-%S")
 
 
@@ -166,10 +157,7 @@ def register_configs() -> None:
 
     if not OmegaConf.has_resolver("bd_run_dir"):
         OmegaConf.register_new_resolver("bd_run_dir", run_dir_name, use_cache=True)
-    cs = ConfigStore.instance()
-    cs.store(name="_train_schema", node=TrainConfig)
-    for group, schema in GROUPS.items():
-        cs.store(group=group, name="_schema", node=schema)
+    ConfigStore.instance().store(name="_train_schema", node=TrainConfig)
 
 
 def _choice(key: str, value: Any, allowed) -> None:
@@ -199,8 +187,24 @@ def validate(cfg, world_size: int, device_type: str) -> None:
                 "trainer.log_interval", "trainer.eval_batches", "optim.lr", "recompute.every"):
         group, name = key.split(".")
         _positive(key, getattr(getattr(cfg, group), name))
+    for key in ("optim.min_lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
+                "trainer.eval_interval", "trainer.save_interval"):
+        group, name = key.split(".")
+        _positive(key, getattr(getattr(cfg, group), name), allow_zero=True)
+    for key in ("optim.eps", "precision.init_scale", "precision.growth_interval", "precision.min_scale",
+                "parallel.timeout_s"):
+        group, name = key.split(".")
+        _positive(key, getattr(getattr(cfg, group), name))
+    if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    if m.d_hidden is not None:
+        _positive("model.d_hidden", m.d_hidden)
+    _choice("model.init", m.init, sorted(INITIALIZERS))
+    if m.vocab_size is not None and m.vocab_size < cfg.data.vocab_size:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than data.vocab_size={cfg.data.vocab_size}: "
+                          "the tokenizer would produce ids the embedding does not have (leave it null)")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")
     if cfg.data.seq_len > m.max_seq_len:

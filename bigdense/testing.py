@@ -50,9 +50,13 @@ def _rank_main(rank, world_size, port, fn, args, kwargs, conn, init_process_grou
         torch.set_num_threads(1)
         if init_process_group:
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=collective_timeout))
-        status, payload = "ok", fn(*args, **kwargs)
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        status, payload = "error", traceback.format_exc()
+    except BaseException:  # noqa: BLE001 - the rendezvous failed: the parent may retry the run
+        status, payload = "init_error", traceback.format_exc()
+    else:
+        try:
+            status, payload = "ok", fn(*args, **kwargs)
+        except BaseException:  # noqa: BLE001 - every failure must reach the parent
+            status, payload = "error", traceback.format_exc()
     try:
         conn.send_bytes(pickle.dumps((status, payload)))
     except Exception:  # noqa: BLE001 - an unpicklable result is a failure too
@@ -83,19 +87,46 @@ def run_ranks(
     milliseconds; set ``BIGDENSE_START_METHOD=spawn`` to use fresh interpreters).
     """
     method = start_method or os.environ.get("BIGDENSE_START_METHOD", "fork")
+    launch = (fn, world_size, args, kwargs, timeout, collective_timeout, init_process_group, dict(env or {}), method)
+    results, failures, pending = _run_once(*launch)
+    if failures and any(status == "init_error" for status, _ in failures.values()):
+        # gloo's full-mesh connect can fail on a loaded machine before any test code ran; that
+        # says nothing about the code under test, so the run is repeated once from scratch.
+        results, failures, pending = _run_once(*launch)
+    if failures:
+        first = next(iter(failures))
+        lines = "\n".join(
+            f"  rank {r}: {_last_line(payload)}" for r, (_, payload) in failures.items() if r != first
+        )
+        also = f"; the others:\n{lines}" if lines else ""
+        raise RankError(f"rank {first} of {world_size} failed first{also}\n{failures[first][1]}")
+    if pending:
+        raise RankError(
+            f"ranks {sorted(pending.values())} of {world_size} did not finish within {timeout:.0f}s and were killed"
+        )
+    return results
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def _run_once(fn, world_size, args, kwargs, timeout, collective_timeout, init_process_group, env, method):
+    """One launch: (results, {rank: (status, payload)} in order of failure, {conn: rank} unfinished)."""
     ctx = mp.get_context(method)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     gate = ctx.Event()
     procs, pending = [], {}
     results: list[Any] = [None] * world_size
-    failures: dict[int, str] = {}
+    failures: dict[int, tuple[str, str]] = {}
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_rank_main,
                 args=(rank, world_size, store.port, fn, args, kwargs, child_end,
-                      init_process_group, collective_timeout, dict(env or {}), gate),
+                      init_process_group, collective_timeout, env, gate),
                 daemon=True,
             )
             proc.start()
@@ -108,17 +139,22 @@ def run_ranks(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
+            reports = []
             for conn in wait(list(pending), timeout=remaining):
                 rank = pending.pop(conn)
                 try:
                     status, payload = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     procs[rank].join(1.0)
-                    status, payload = "error", f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
+                    status, payload = "died", f"rank {rank} died without reporting (exit code {procs[rank].exitcode})"
+                reports.append((rank, status, payload))
+            # Several reports in one wake-up: a rank that died is the cause, its peers' errors
+            # ("connection reset by peer") the echo.
+            for rank, status, payload in sorted(reports, key=lambda r: r[1] != "died"):
                 if status == "ok":
                     results[rank] = payload
                 else:
-                    failures[rank] = payload
+                    failures[rank] = (status, payload)
             if failures:
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
     finally:
@@ -128,14 +164,4 @@ def run_ranks(
         for proc in procs:
             proc.join(5.0)
         del store
-    if failures:
-        # Dict order is arrival order: the first rank to fail is the cause, the rest mostly echo it.
-        first = next(iter(failures))
-        others = sorted(set(failures) - {first})
-        also = f" (ranks {others} failed too)" if others else ""
-        raise RankError(f"rank {first} of {world_size} failed{also}:\n{failures[first]}")
-    if pending:
-        raise RankError(
-            f"ranks {sorted(pending.values())} of {world_size} did not finish within {timeout:.0f}s and were killed"
-        )
-    return results
+    return results, failures, pending

@@ -7,7 +7,7 @@
 # TP groups are consecutive ranks, so tp <= GPUs per node keeps TP's collectives inside a node and
 # DP (fewer, larger all-reduces) across nodes. Every node must see the same run directory (a shared
 # file system): checkpoints are written shard by shard from every rank. RUN_ID names the run
-# directory (outputs/<date>/torchrun-<RUN_ID>); relaunching with the same RUN_ID resumes from its
+# directory (outputs/torchrun-<RUN_ID>); relaunching with the same RUN_ID resumes from its
 # last complete checkpoint, as does torchrun itself after a crash (--max-restarts).
 set -euo pipefail
 NNODES=${NNODES:?set NNODES, the number of nodes}

@@ -40,13 +40,14 @@ def evaluate(engine, data, ctx, n_batches: int) -> float:
 def main(cfg) -> None:
     try:
         train(cfg)
-    except ConfigError as err:  # raised on every rank alike, before any training step
-        if launcher_world()[0] == 0:
-            print(f"bigdense: bad config: {err}", file=sys.stderr)
-        else:
-            # Leave the message to rank 0: torchrun stops every rank once the first one exits, so
-            # the others give it time to print before they go (they are normally stopped first).
+    except ConfigError as err:  # raised before any training step, normally on every rank alike
+        rank = launcher_world()[0]
+        if rank != 0:
+            # Leave the message to rank 0: torchrun stops every rank once one exits, so this rank
+            # is normally stopped while it waits. Still here, rank 0 did not see this error (a
+            # check that depends on the machine): say it.
             time.sleep(10)
+        print(f"bigdense: bad config{f' (rank {rank})' if rank else ''}: {err}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -27,7 +27,7 @@ def _rank_one_raises():
 
 def test_an_exception_on_one_rank_fails_the_run_with_its_traceback():
     start = time.monotonic()
-    with pytest.raises(RankError, match="rank 1 of 2 failed") as info:
+    with pytest.raises(RankError, match="rank 1 of 2 failed first") as info:
         run_ranks(_rank_one_raises, 2, timeout=60)
     assert "boom on rank one" in str(info.value)
     assert time.monotonic() - start < 30  # the stuck peer is killed after a short grace period
@@ -59,8 +59,24 @@ def test_a_rank_that_dies_is_reported():
 def _stuck_collective():
     if dist.get_rank() == 0:
         dist.barrier()  # rank 1 never joins; the collective timeout must fire
+    else:
+        time.sleep(60)  # alive (an exit would reset the connection and end the barrier at once)
 
 
 def test_a_collective_that_never_completes_times_out_inside_the_rank():
-    with pytest.raises(RankError, match="rank 0 of 2 failed"):
+    start = time.monotonic()
+    with pytest.raises(RankError, match="(?is)rank 0 of 2 failed first.*timed out"):
         run_ranks(_stuck_collective, 2, timeout=60, collective_timeout=2)
+    assert 2 <= time.monotonic() - start < 30
+
+
+def _never_called():
+    raise AssertionError("fn must not run when the process group could not be created")
+
+
+def test_a_failed_rendezvous_is_retried_once_then_reported():
+    start = time.monotonic()
+    # Nothing listens on port 1: every rank's init_process_group fails, on both attempts.
+    with pytest.raises(RankError, match="(?s)failed first.*init_process_group"):
+        run_ranks(_never_called, 2, timeout=60, collective_timeout=2, env={"MASTER_PORT": "1"})
+    assert time.monotonic() - start < 40

@@ -2,9 +2,10 @@
 tp=1 is a plain dense layer), with dropout on.
 
 Dropout masks are TP-invariant, so the only differences between layouts are the summation orders
-of the TP all-reduces: ~1e-7 relative in the loss. We allow 1e-5 for the loss and 1e-4 relative (of
-the largest entry) for gradients, whose small entries carry the reordering more visibly; a
-mismatched mask moves the loss by ~1e-2.
+of the TP all-reduces. Measured: the losses agree exactly and every gradient entry within 5e-7 of
+its tensor's largest entry (an absolute scale: small entries are sums with cancellation, where a
+relative bound would mean nothing). We allow 1e-6 relative for the loss and 5e-6 of the largest
+entry for gradients; a mismatched mask moves the loss by ~1e-2.
 """
 import pytest
 import torch
@@ -57,10 +58,10 @@ def test_gpt_loss_and_gradients_match_tp1_with_dropout_on(variant):
     assert abs(no_dropout(idx, idx.roll(-1, dims=1)).item() - ref_loss) > 1e-3  # dropout is really on
     for tp in (2, 4):
         for rank, (loss, grads) in enumerate(run_ranks(_gpt_run, tp, tp, variant)):
-            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (tp, rank, loss, ref_loss)
+            assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (tp, rank, loss, ref_loss)
             for name, g in grads.items():
                 assert_close(g, ref_grads[name], f"tp={tp} rank {rank} grad of {name}", rtol=0,
-                             atol=1e-4 * ref_grads[name].abs().max().item())
+                             atol=5e-6 * ref_grads[name].abs().max().item())
 
 
 def _recompute_grads(tp):
@@ -113,7 +114,7 @@ def test_classifier_matches_tp1_and_predicts_global_top_k():
     ref_loss, ref_scores, ref_classes, ref_grad = _classifier(1)
     for tp in (2, 3):
         for loss, scores, classes, grad in run_ranks(_classifier, tp, tp):
-            assert abs(loss - ref_loss) <= 1e-5 * ref_loss
+            assert abs(loss - ref_loss) <= 1e-6 * ref_loss
             assert torch.equal(classes, ref_classes)
             assert_close(scores, ref_scores, "top-k scores", rtol=1e-5, atol=1e-5)
-            assert_close(grad, ref_grad, "head weight grad", rtol=0, atol=1e-4 * ref_grad.abs().max().item())
+            assert_close(grad, ref_grad, "head weight grad", rtol=0, atol=5e-6 * ref_grad.abs().max().item())

@@ -266,19 +266,26 @@ def resolve_checkpoint(path) -> Path:
     checkpoints that holds a ``latest`` pointer (``runs/x``).
     """
     path = Path(path)
+    rolled_forward = None
     if path.is_dir() and not (path / MANIFEST).exists() and (path / LATEST).is_file():
         path = path / LATEST
+    if not path.exists():
+        rolled_forward = swapped_out_checkpoint(path)
+        path = rolled_forward or path
     if path.is_file():
         name = path.read_text().strip()
         if not name or "/" in name or name in (".", ".."):
             raise CheckpointError(f"{path}: not a checkpoint pointer (expected the name of a checkpoint directory)")
         target = path.parent / name
         if not target.is_dir():
-            raise CheckpointError(f"{path} names checkpoint {name!r}, but {target} does not exist")
+            rolled_forward = swapped_out_checkpoint(target)
+            if rolled_forward is None:
+                raise CheckpointError(f"{path} names checkpoint {name!r}, but {target} does not exist")
+            target = rolled_forward
         path = target
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory or pointer file")
-    if path.name.startswith(".") and (".tmp-" in path.name or ".old-" in path.name):
+    if path.name.startswith(".") and (".tmp-" in path.name or ".old-" in path.name) and path != rolled_forward:
         raise CheckpointError(f"{path} is the temporary directory of an unfinished save, not a checkpoint")
     if not (path / MANIFEST).is_file():
         raise CheckpointError(
@@ -286,6 +293,18 @@ def resolve_checkpoint(path) -> Path:
             f"(an interrupted save leaves such a directory; load an earlier checkpoint or `latest`)"
         )
     return path
+
+
+def swapped_out_checkpoint(final: Path) -> Optional[Path]:
+    """The complete new copy of ``final`` when a re-save of that name died between its two renames.
+
+    Re-saving a name moves the old directory aside, then renames the new one into place; a crash
+    between the two leaves ``final`` missing and the new copy, manifest and all, under its
+    temporary name. That copy is a complete checkpoint (the manifest is written last): the save
+    rolls it forward, and loading reads it where it is.
+    """
+    done = [p for p in final.parent.glob(f".{final.name}.tmp-*") if (p / MANIFEST).is_file()]
+    return max(done, key=lambda p: (p / MANIFEST).stat().st_mtime) if done else None
 
 
 def read_manifest(ckpt_dir: Path) -> dict:

@@ -32,7 +32,8 @@ import torch
 from ._agree import agree, broadcast_object
 from .format import (
     COMMON, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, dtype_code, file_sha256, fsync_dir,
-    rank_file_name, replace_text_durably, shard_file_name, volume, write_bytes_durably, write_safetensors,
+    rank_file_name, replace_text_durably, shard_file_name, swapped_out_checkpoint, volume, write_bytes_durably,
+    write_safetensors,
 )
 from .state import (
     DeepSpeedOptimizer, capture_rng, current_context, model_pieces, resolve_optimizer, torch_optimizer_pieces, unwrap,
@@ -166,7 +167,11 @@ def save_checkpoint(
         rank_blob = _weights_only_bytes({"rng": capture_rng(), "extra": extra, "rank": ctx.rank}, "extra=")
         if ctx.rank == 0:
             parent.mkdir(parents=True, exist_ok=True)
-            for stale in parent.glob(f".{final.name}.tmp-*"):
+            rolled = None if final.exists() else swapped_out_checkpoint(final)
+            if rolled is not None:  # an earlier re-save died between its renames: finish it
+                os.rename(rolled, final)
+                fsync_dir(parent)
+            for stale in [*parent.glob(f".{final.name}.tmp-*"), *parent.glob(f".{final.name}.old-*")]:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
         return rank_blob

@@ -1,6 +1,7 @@
 """`prepare_data`: one rank builds the cache when it is missing, every rank then memory-maps it."""
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from dataclasses import dataclass
@@ -93,6 +94,10 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+# How long ranks wait for another rank's tokenizer and cache build (minutes for the default corpus).
+BUILD_WAIT = datetime.timedelta(hours=2)
+
+
 def _local_rank(rank: int) -> int:
     for var in ("LOCAL_RANK", "SLURM_LOCALID"):
         if var in os.environ:
@@ -110,8 +115,14 @@ def _everywhere(selected: bool, fn: Callable[[], None], rank: int) -> None:
         except Exception as e:  # re-raised below, after the other ranks have heard of it
             error = e
     if _distributed():
+        # The waiting ranks sit in this collective for as long as the build takes, which is not
+        # bounded by parallel.timeout_s (meant for training's collectives): a group of its own.
+        wait_group = dist.new_group(backend="gloo", timeout=BUILD_WAIT)
         messages = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, None if error is None else f"rank {rank}: {type(error).__name__}: {error}")
+        dist.all_gather_object(
+            messages, None if error is None else f"rank {rank}: {type(error).__name__}: {error}", group=wait_group
+        )
+        dist.destroy_process_group(wait_group)
         if error is None and any(messages):
             raise RuntimeError("data preparation failed on another rank: " + next(m for m in messages if m))
     if error is not None:
