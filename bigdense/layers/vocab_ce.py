@@ -157,6 +157,7 @@ def _forward(ctx, h, weight, bias, target, cfg: CEConfig):
         token_weight = valid.float()
 
     hc_all, wc, bc = _cast(h, weight, bias, cfg.compute_dtype)
+    buffer = _logits_buffer(n_tokens, wc, cfg)
     losses = torch.zeros(n_tokens, dtype=torch.float32, device=h.device)
     lse_all = torch.empty(n_tokens, dtype=torch.float32, device=h.device)
     if grads_now:
@@ -167,7 +168,7 @@ def _forward(ctx, h, weight, bias, target, cfg: CEConfig):
     for lo in range(0, n_tokens, cfg.chunk_size):
         hi = min(lo + cfg.chunk_size, n_tokens)
         hc = hc_all[lo:hi]
-        zt = _logits(hc, wc, bc)
+        zt = _logits(hc, wc, bc, buffer)
         stats = _chunk_stats(zt, t_local[lo:hi], in_shard[lo:hi], smoothing)  # z := exp(z - m_local)
         lse, z_target, z_sum = _combine(stats, cfg.group)
         lse_all[lo:hi] = lse
@@ -179,8 +180,7 @@ def _forward(ctx, h, weight, bias, target, cfg: CEConfig):
             # exp(z - m_local) * exp(m_local - lse) is the softmax.
             _logit_grad_(zt, torch.exp(stats[0] - lse), t_local[lo:hi], in_shard[lo:hi], token_weight[lo:hi], cfg)
             _accumulate(zt, hc, wc, lo, hi, grad_h, grad_w, grad_b, cfg.compute_dtype)
-        # Free this chunk's logits before the next chunk allocates its own: one chunk live at a time.
-        del zt
+        del zt  # one chunk's logits live at a time (in `buffer`, or freed before the next is made)
 
     if grads_now:
         if grad_h is not None and n_tokens:
@@ -222,13 +222,14 @@ def _recompute_backward(ctx, grad_out):
     # Per-token weight of d(loss)/d(loss_i), times the incoming gradient (a scalar or one per token).
     token_weight = ctx.token_weight * grad_out.float()
     hc_all, wc, bc = _cast(h, weight, bias, cfg.compute_dtype)
+    buffer = _logits_buffer(n_tokens, wc, cfg)
     grad_h = torch.empty(n_tokens, h.shape[1], dtype=torch.float32, device=h.device) if need_h else None
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
     grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_b else None
     for lo in range(0, n_tokens, cfg.chunk_size):
         hi = min(lo + cfg.chunk_size, n_tokens)
         hc = hc_all[lo:hi]
-        p = _logits(hc, wc, bc).sub_(ctx.lse[lo:hi]).exp_()
+        p = _logits(hc, wc, bc, buffer).sub_(ctx.lse[lo:hi]).exp_()
         _logit_grad_(p, 1.0, ctx.t_local[lo:hi], ctx.in_shard[lo:hi], token_weight[lo:hi], cfg)
         _accumulate(p, hc, wc, lo, hi, grad_h, grad_w, grad_b, cfg.compute_dtype)
         del p  # before the next chunk's logits exist
@@ -249,13 +250,24 @@ def _cast(h, weight, bias, dtype):
     return h.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def _logits(hc, wc, bc) -> torch.Tensor:
+def _logits(hc, wc, bc, buffer: Optional[torch.Tensor]) -> torch.Tensor:
     """fp32 logits of one chunk, classes-major: (C_local, n), computed in the operands' dtype (as
     autocast would). ``W h^T`` measured 7% faster than ``h W^T`` for this shape on CPU (MKL), and
     the weight gradient ``zt @ h`` 3% faster than ``z^T @ h``; reductions over classes become
-    column reductions, equally cheap."""
+    column reductions, equally cheap. fp32 logits land in ``buffer`` (one allocation per call,
+    reused by every chunk: a fresh 64 MiB block per chunk costs its page faults, ~7% here)."""
+    shape = (wc.shape[0], hc.shape[0])
+    if wc.dtype == torch.float32 and buffer is not None:
+        out = buffer[: shape[0] * shape[1]].view(shape)
+        return torch.mm(wc, hc.t(), out=out) if bc is None else torch.addmm(bc.unsqueeze(1), wc, hc.t(), out=out)
     zt = torch.mm(wc, hc.t()) if bc is None else torch.addmm(bc.unsqueeze(1), wc, hc.t())
     return zt if zt.dtype == torch.float32 else zt.float()
+
+
+def _logits_buffer(n_tokens: int, wc: torch.Tensor, cfg: CEConfig) -> Optional[torch.Tensor]:
+    if wc.dtype != torch.float32 or n_tokens == 0:
+        return None
+    return torch.empty(wc.shape[0] * min(cfg.chunk_size, n_tokens), dtype=torch.float32, device=wc.device)
 
 
 def _accumulate(gt, hc, wc, lo, hi, grad_h, grad_w, grad_b, dtype) -> None:
