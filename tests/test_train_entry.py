@@ -83,10 +83,11 @@ def test_torchrun_two_processes_default_is_tp2(tmp_path, small):
         ("model.n_heads=1", "bigdense: bad config: parallel.tp=2 must divide model.n_heads=1"),
         ("data=files", "bigdense: bad config: data.source=files needs data.path"),
         ("optim.schedule=linear", "bigdense: bad config: optim.schedule='linear' is not one of"),
+        ("engine=deepspeed precision=fp16", "bigdense: bad config: precision=fp16 with engine=deepspeed needs a GPU"),
     ],
 )
 def test_bad_config_stops_every_rank_with_one_message(tmp_path, small, override, message):
-    code, out = run(torchrun(2, *small, override, f"hydra.run.dir={tmp_path}"))
+    code, out = run(torchrun(2, *small, *override.split(), f"hydra.run.dir={tmp_path}"))
     assert code != 0
     assert out.count(message) == 1, out
 

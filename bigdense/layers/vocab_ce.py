@@ -27,14 +27,13 @@ Gradient strategy (``strategy=``):
 * ``"recompute"`` (always used for ``reduction="none"``, whose gradient is per token): the forward
   keeps only ``lse`` (N floats); the backward recomputes each chunk's logits: four matmuls.
 
-Measured with ``python -m bigdense.bench.head --contenders bigdense,bigdense-recompute`` (1024 ->
-131,072 classes, 4,096 tokens, fp32, bias, mean; tp=2 on two 1-thread gloo processes; automatic
-chunk of 256 tokens; this 2-core machine, shared with other jobs, so the best iteration and the
-CPU time per rank are the steady figures; medians ranged widely with the load)::
+Measured with ``python -m bigdense.bench.head --contenders unsharded,bigdense,dtensor,bigdense-recompute``
+(1024 -> 131,072 classes, 4,096 tokens, fp32, bias, mean; tp=2 on two 1-thread gloo processes;
+automatic chunk of 256 tokens; this 2-core machine, quiet; median of 3)::
 
-    strategy     best fwd+bwd   CPU s / rank   peak RSS / rank
-    forward        16.9 s        17.1 - 17.8       0.95 GB
-    recompute      24.7 s        24.1              0.95 GB
+    strategy     fwd+bwd    CPU s / rank   peak RSS / rank
+    forward      16.33 s       16.21           0.94 GB
+    recompute    22.33 s       22.15           0.96 GB
 
 ``"forward"`` is the default: a third less time (the fourth matmul and a second softmax pass are
 gone) for the same peak memory -- in both, the peak is the weight, its gradient and one chunk of
