@@ -1,5 +1,12 @@
-"""Comparison helpers shared by the tests."""
+"""Comparison helpers and paths shared by the tests."""
+import sys
+from pathlib import Path
+
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent  # torchrun, deepspeed, accelerate of the running environment
+TRAIN = str(ROOT / "launch" / "train.py")
 
 
 def assert_close(actual, expected, what, *, rtol, atol):

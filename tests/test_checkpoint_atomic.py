@@ -36,12 +36,17 @@ def _half_written_shard(path, layout, produce, metadata=None):
     _die()
 
 
-def _save_then_crash(root, crash_point):
+def _tp2_after_one_step():
     ctx = bd.init_parallel(tp=2)
     torch.manual_seed(0)
     model = TinyLM()
     opt, sched = make_optimizer(model)
     train_steps(model, opt, sched, 0, 1)
+    return ctx, model, opt, sched
+
+
+def _save_then_crash(root, crash_point):
+    ctx, model, opt, sched = _tp2_after_one_step()
     bd.save_checkpoint(f"{root}/step_1", model, opt, step=1)
     reference = full_states(model, opt, ctx.tp_group)
     train_steps(model, opt, sched, 1, 2)
@@ -111,11 +116,7 @@ class _DieOnSecondRename:
 
 
 def _resave_then_crash(root):
-    ctx = bd.init_parallel(tp=2)
-    torch.manual_seed(0)
-    model = TinyLM()
-    opt, sched = make_optimizer(model)
-    train_steps(model, opt, sched, 0, 1)
+    ctx, model, opt, sched = _tp2_after_one_step()
     bd.save_checkpoint(f"{root}/last", model, opt, step=1)
     train_steps(model, opt, sched, 1, 2)
     if ctx.rank == 0:

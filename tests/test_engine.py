@@ -196,7 +196,7 @@ def _resume_rank(cases, tmp):
     fresh engine from other weights loads the checkpoint and must repeat those 2 steps bit for bit."""
     from deepspeed.utils import safe_get_full_optimizer_state
 
-    ctx = bd.init_parallel(tp=2)
+    bd.init_parallel(tp=2)
     ddp = _build("ddp")
     torch.manual_seed(1)
     _steps(ddp, 0, 2)

@@ -4,7 +4,6 @@ checkpoint of its run directory, and ends with exactly the weights of a run neve
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from safetensors.torch import load_file
 
 import bigdense as bd
 
-from test_train_entry import BIN, ROOT, TRAIN, small  # noqa: F401  (the fixture)
+from helpers import BIN, ROOT, TRAIN
 
 STEPS, SAVE_EVERY, KILL_AFTER = 30, 5, 10
 

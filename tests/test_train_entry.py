@@ -12,21 +12,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-TRAIN = str(ROOT / "launch" / "train.py")
+from helpers import BIN, ROOT, TRAIN
+
 LAUNCH_TIMEOUT = 300
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    return [
-        "data.max_corpus_mb=0.5", "data.vocab_size=512", f"data.cache_dir={cache}", "data.seq_len=32",
-        "data.micro_batch_size=4", "model.d_model=64", "model.n_layers=1", "model.n_heads=2",
-        "model.head_chunk_size=64", "trainer.log_interval=2", "trainer.eval_batches=2",
-        "trainer.progress_bar=false", "optim.warmup_steps=2", "data.val_fraction=0.2",
-    ]
 
 
 def run(cmd, **kw):
