@@ -9,6 +9,7 @@ Each subpackage lists its public names in ``__all__``; this module re-exports al
 """
 from . import checkpoint, layers, parallel
 from . import train
+from .checks import checks_enabled, set_checks
 from .checkpoint import *  # noqa: F401,F403
 from .layers import *  # noqa: F401,F403
 from .parallel import *  # noqa: F401,F403
@@ -16,4 +17,4 @@ from .train import *  # noqa: F401,F403
 
 __version__ = "0.1.0"
 
-__all__ = [*parallel.__all__, *layers.__all__, *checkpoint.__all__, *train.__all__]
+__all__ = [*parallel.__all__, *layers.__all__, *checkpoint.__all__, *train.__all__, "set_checks", "checks_enabled"]
