@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
 NPROC ?= 2
 ARGS ?=
 
-.PHONY: setup train test clean
+.PHONY: setup train test test-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ train: setup
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)
+
+test-quick: setup
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache
