@@ -13,8 +13,10 @@ from .checks import checks_enabled, set_checks
 from .checkpoint import *  # noqa: F401,F403
 from .layers import *  # noqa: F401,F403
 from .parallel import *  # noqa: F401,F403
+from .parallelize import parallelize, plan_parallelism
 from .train import *  # noqa: F401,F403
 
 __version__ = "0.1.0"
 
-__all__ = [*parallel.__all__, *layers.__all__, *checkpoint.__all__, *train.__all__, "set_checks", "checks_enabled"]
+__all__ = [*parallel.__all__, *layers.__all__, *checkpoint.__all__, *train.__all__, "parallelize", "plan_parallelism",
+           "set_checks", "checks_enabled"]

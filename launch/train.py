@@ -22,8 +22,8 @@ from tqdm import tqdm
 import bigdense as bd
 from bigdense.config import ConfigError, register_configs
 from bigdense.data import prepare_data
-from bigdense.train import apply_recompute, build_engine
-from bigdense.train.loop import build_gpt, launcher_world, start_run
+from bigdense.train import EngineSettings, apply_recompute, build_engine
+from bigdense.train.run_setup import build_gpt, launcher_world, start_run
 from bigdense.train.metrics import DenseLayerStats, MetricsLog, peak_memory_gb, plot_loss_curve
 
 log = logging.getLogger("bigdense")
@@ -64,10 +64,7 @@ def train(cfg) -> None:
     #    checkpointing, then the engine (DP, precision, optimizer, clipping).
     model = build_gpt(cfg.model, data.tokenizer.vocab_size, ctx)
     apply_recompute(model.blocks, cfg.recompute)
-    engine = build_engine(
-        model, ctx, engine_cfg=cfg.engine, optim_cfg=cfg.optim, precision_cfg=cfg.precision,
-        micro_batch_size=cfg.data.micro_batch_size, grad_accum=cfg.data.grad_accum, max_steps=tr.max_steps,
-    )
+    engine = build_engine(model, ctx, EngineSettings.from_run_config(cfg))
     counts = model.num_parameters()
     log.info("model: %.2fM parameters, head %.2fM; mesh tp=%d x dp=%d on %s; engine=%s precision=%s recompute=%s",
              counts["total"] / 1e6, counts["head"] / 1e6, ctx.tp_size, ctx.dp_size, ctx.device,

@@ -209,7 +209,7 @@ def _resume_rank(cases, tmp):
         torch.manual_seed(1)
         _steps(a, 0, 2)
         if kind == "deepspeed" and stage > 0:
-            # Every parameter, of both AdamW groups, is linked to its ZeRO state (see _link_zero_state)
+            # Every parameter, of both AdamW groups, is linked to its ZeRO state (see ds_compat.link_zero_state)
             # and holds what torch's AdamW holds after the same steps (ulps apart, see TOL).
             # (bf16: only readable and finite; its moments come from a bf16 forward and backward.)
             for n, p in a.model.named_parameters():

@@ -1,19 +1,30 @@
-"""Sharded checkpoints, resharding, dense export/import and parallelize().
+"""Sharded checkpoints, resharding, dense export and import: what goes to and from disk.
 
     bd.save_checkpoint("runs/x/step_1000", model, optimizer, scheduler=sched, extra={"data_pos": pos})
     info = bd.load_checkpoint("runs/x/latest", model, optimizer, scheduler=sched)   # at any tp / dp
     bd.export_dense("runs/x/latest", "model.safetensors")   # one unsharded file, plain nn.Module names
-    model = bd.parallelize(plain_model, plan=None)          # nn.Linear/nn.Embedding -> bigdense layers
 
 See `bigdense.checkpoint.format` for the on-disk layout.
 """
 from .dense import export_dense, load_dense_state_dict
 from .format import CheckpointError
 from .load import CheckpointInfo, load_checkpoint
-from .parallelize import ShardedDropout, parallelize, plan_parallelism
 from .save import save_checkpoint
 
 __all__ = [
     "save_checkpoint", "load_checkpoint", "CheckpointInfo", "CheckpointError", "export_dense",
-    "load_dense_state_dict", "parallelize", "plan_parallelism", "ShardedDropout",
+    "load_dense_state_dict",
 ]
+
+_MOVED = {"parallelize": "bigdense.parallelize", "plan_parallelism": "bigdense.parallelize",
+          "ShardedDropout": "bigdense.layers"}
+
+
+def __getattr__(name):
+    """``from bigdense.checkpoint import parallelize`` keeps working: model conversion lives in
+    `bigdense.parallelize` and `ShardedDropout` in `bigdense.layers`."""
+    if name in _MOVED:
+        import importlib
+
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,6 @@
 """Tensor-parallel layers and their initialisers."""
 from .base import TensorParallelModule, materialize
+from .dropout import ShardedDropout
 from .embedding import VocabParallelEmbedding
 from .head import ParallelClassifierHead, tie_weights
 from .init import INITIALIZERS, Initializer
@@ -8,5 +9,5 @@ from .mlp import ParallelMLP
 
 __all__ = [
     "TensorParallelModule", "materialize", "Initializer", "INITIALIZERS", "ColumnParallelLinear", "RowParallelLinear",
-    "ParallelMLP", "VocabParallelEmbedding", "ParallelClassifierHead", "tie_weights",
+    "ParallelMLP", "VocabParallelEmbedding", "ParallelClassifierHead", "tie_weights", "ShardedDropout",
 ]

@@ -1,7 +1,6 @@
 """Training machinery: gradient clipping, mixed precision, activation checkpointing, engines."""
 from .clip import clip_grad_norm_
-from .engine import DDPEngine, DSEngine, Engine, StepResult, build_engine
-from .mpu import DeepSpeedMPU
+from .engines import DDPEngine, DeepSpeedMPU, DSEngine, Engine, EngineSettings, StepResult, build_engine
 from .precision import DynamicLossScaler, Precision, autocast, compute_dtype
 from .recompute import apply_recompute, checkpoint_module, is_checkpointed, uncheckpoint_module
 from .schedule import WarmupCosine, build_lr_schedule
@@ -9,5 +8,5 @@ from .schedule import WarmupCosine, build_lr_schedule
 __all__ = [
     "clip_grad_norm_", "DynamicLossScaler", "Precision", "autocast", "compute_dtype", "apply_recompute",
     "checkpoint_module", "uncheckpoint_module", "is_checkpointed", "build_engine", "Engine", "DDPEngine",
-    "DSEngine", "StepResult", "DeepSpeedMPU", "build_lr_schedule", "WarmupCosine",
+    "DSEngine", "EngineSettings", "StepResult", "DeepSpeedMPU", "build_lr_schedule", "WarmupCosine",
 ]

@@ -29,12 +29,12 @@ from typing import Mapping, Optional, Union
 
 import torch.nn as nn
 
-from ..layers import (
-    ColumnParallelLinear, ParallelClassifierHead, RowParallelLinear, VocabParallelEmbedding, tie_weights,
+from .layers import (
+    ColumnParallelLinear, ParallelClassifierHead, RowParallelLinear, ShardedDropout, VocabParallelEmbedding,
+    tie_weights,
 )
-from ..parallel.context import resolve_tp_group
-from ..parallel.random import tp_dropout
-from ..parallel.sharding import shard_range
+from .parallel.context import resolve_tp_group
+from .parallel.sharding import shard_range
 
 logger = logging.getLogger("bigdense.parallelize")
 
@@ -49,21 +49,6 @@ _ELEMENTWISE = (
 _TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 PlanValue = Union[str, tuple]
-
-
-class ShardedDropout(nn.Module):
-    """Dropout on TP-sharded features (*, hidden_local): this rank's slice of the mask the unsharded
-    layer would draw (`tp_dropout`), so the masks of different ranks are not copies of each other."""
-
-    def __init__(self, p: float, global_size: int, offset: int):
-        super().__init__()
-        self.p, self.global_size, self.offset = p, global_size, offset
-
-    def forward(self, x):
-        return tp_dropout(x, self.p, self.training, shard_dim=-1, global_size=self.global_size, offset=self.offset)
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}, offset={self.offset}, global_size={self.global_size}"
 
 
 def _is_attention_projection(model: nn.Module, name: str) -> bool:

@@ -1,5 +1,5 @@
-"""The pieces of `launch/train.py` that are not the loop itself: starting a run (config checks,
-mesh, seeds, run directory) and building the model from the config."""
+"""Run setup and model construction for `launch/train.py`: starting a run (config checks, mesh,
+seeds, run directory) and building the reference GPT from the ``model`` config group."""
 from __future__ import annotations
 
 import logging

@@ -1,0 +1,21 @@
+"""`ShardedDropout`: dropout on TP-sharded features that draws this rank's slice of the unsharded mask."""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from ..parallel.random import tp_dropout
+
+
+class ShardedDropout(nn.Module):
+    """Dropout on TP-sharded features (*, hidden_local): this rank's slice of the mask the unsharded
+    layer would draw (`tp_dropout`), so the masks of different ranks are not copies of each other."""
+
+    def __init__(self, p: float, global_size: int, offset: int):
+        super().__init__()
+        self.p, self.global_size, self.offset = p, global_size, offset
+
+    def forward(self, x):
+        return tp_dropout(x, self.p, self.training, shard_dim=-1, global_size=self.global_size, offset=self.offset)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, offset={self.offset}, global_size={self.global_size}"

@@ -1,0 +1,180 @@
+"""The engine interface the training loop uses, its settings, and the pieces both engines share.
+
+    settings = EngineSettings.from_run_config(cfg)       # or EngineSettings(engine=..., optim=..., ...)
+    engine = bd.build_engine(model, ctx, settings)
+    result = engine.train_step([(x, y), ...])   # grad_accum micro-batches -> one optimizer step
+    val = engine.eval_loss(x, y)
+
+The model's forward is ``loss = model(x, y)``, the mean loss of the micro-batch (a scalar).
+Micro-batch ``i`` on DP rank ``d`` is read as rows ``[d * B, (d + 1) * B)`` of a global micro-batch
+of ``dp_size * B`` rows (`batch_slice`), so dropout masks do not depend on the DP size: a tp=2 x dp=2
+run draws the masks a single process draws on the concatenated batch.
+
+Both engines average the loss over the micro-batches and then over DP for reporting, and skip a
+step whose gradients hold an inf or nan on any rank on every rank (weights, optimizer state and LR
+schedule untouched), reporting ``skipped=True``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ...parallel.context import ParallelContext
+from ...parallel.random import batch_slice
+from ..precision import autocast
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports, the same on every rank."""
+
+    loss: float  # mean over the step's micro-batches and over DP
+    grad_norm: float  # global gradient norm before clipping (inf/nan when the step was skipped for it)
+    skipped: bool  # no update happened (overflow or non-finite gradients on some rank)
+    lr: float  # the learning rate this step used (or would have used)
+    loss_scale: float  # the fp16 loss scale this step used; 1.0 for fp32/bf16
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Everything an engine reads from the run's configuration, in one object.
+
+    ``engine``, ``optim`` and ``precision`` are the config groups (`bigdense.config.EngineConfig`,
+    `OptimConfig`, `PrecisionConfig`, or anything with their fields); the rest come from ``data``
+    and ``trainer``.
+    """
+
+    engine: Any
+    optim: Any
+    precision: Any
+    micro_batch_size: int
+    max_steps: int
+    grad_accum: int = 1
+
+    def __post_init__(self):
+        for key, value in (("data.micro_batch_size", self.micro_batch_size), ("data.grad_accum", self.grad_accum)):
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{key} must be a positive integer, got {value!r}")
+        if str(self.optim.name) != "adamw":
+            raise ValueError(f"optim.name={self.optim.name!r} is not one of ['adamw']")
+
+    @classmethod
+    def from_run_config(cls, cfg) -> "EngineSettings":
+        """The settings of a whole training config (`bigdense.config.TrainConfig`)."""
+        return cls(engine=cfg.engine, optim=cfg.optim, precision=cfg.precision,
+                   micro_batch_size=cfg.data.micro_batch_size, grad_accum=cfg.data.grad_accum,
+                   max_steps=cfg.trainer.max_steps)
+
+
+def mesh_group(ctx: ParallelContext) -> Optional[dist.ProcessGroup]:
+    """The group spanning the whole TP x DP mesh (the world when distributed; None alone)."""
+    return dist.group.WORLD if ctx.is_distributed else None
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: weight decay on matrices (dim >= 2), none on biases and norm gains."""
+    decay, no_decay = [], []
+    for p in model.parameters():  # parameters() yields a tied weight once
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": float(weight_decay)}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # DeepSpeed cannot flatten an empty group
+
+
+class Engine:
+    """The interface the training loop uses; `DDPEngine` and `DSEngine` implement it.
+
+    Attributes: ``model`` (the unwrapped bigdense model), ``optimizer``, ``scheduler`` (a
+    ``LambdaLR``), ``scaler`` (`DynamicLossScaler` for DDP fp16, else None), ``ctx``, ``kind``,
+    ``settings`` (the `EngineSettings` it was built from).
+    """
+
+    kind: str
+
+    def __init__(self, model: nn.Module, ctx: ParallelContext, settings: EngineSettings):
+        self.model = model
+        self.ctx = ctx
+        self.settings = settings
+        self.micro_batch_size = settings.micro_batch_size
+        self.grad_accum = settings.grad_accum
+        self.precision_name = str(settings.precision.dtype)
+        self.scaler = None
+        self.optimizer = None
+        self.scheduler = None
+
+    # ---- the loop's interface ----
+    def train_step(self, micro_batches: Sequence[tuple]) -> StepResult:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def eval_loss(self, x, y) -> float:
+        """Mean loss of ``model(x, y)`` in eval mode (no dropout), autocast, averaged over DP."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self._compute_context():
+                loss = self._check_loss(self.model(self._to_device(x), self._to_device(y)))
+        finally:
+            self.model.train(was_training)
+        return self._dp_mean(loss.detach().float())
+
+    def checkpoint_state(self) -> dict:
+        """``{"model", "optimizer", "scheduler", "scaler"}`` for
+        ``bd.save_checkpoint(path, **engine.checkpoint_state(), extra=...)``."""
+        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
+
+    @property
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    # ---- shared pieces ----
+    def _compute_context(self):
+        return autocast(self.precision_name, self.ctx.device)
+
+    def _to_device(self, t):
+        return t.to(self.ctx.device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+
+    def _check_micro_batches(self, micro_batches) -> list:
+        micro_batches = list(micro_batches)
+        if len(micro_batches) != self.grad_accum:
+            raise ValueError(
+                f"{type(self).__name__}.train_step: got {len(micro_batches)} micro-batches, "
+                f"expected data.grad_accum={self.grad_accum}"
+            )
+        out = []
+        for i, mb in enumerate(micro_batches):
+            if not (isinstance(mb, (tuple, list)) and len(mb) == 2):
+                raise TypeError(f"{type(self).__name__}.train_step: micro-batch {i} must be an (x, y) pair")
+            x, y = mb
+            rows = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else None
+            if rows != self.micro_batch_size:
+                raise ValueError(
+                    f"{type(self).__name__}.train_step: micro-batch {i} has {rows} rows (dim 0 of x), "
+                    f"expected data.micro_batch_size={self.micro_batch_size}"
+                )
+            out.append((self._to_device(x), self._to_device(y)))
+        return out
+
+    def _batch_slice(self):
+        b = self.micro_batch_size
+        return batch_slice(self.ctx.dp_rank * b, self.ctx.dp_size * b)
+
+    @staticmethod
+    def _check_loss(loss) -> torch.Tensor:
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+            what = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(
+                f"the model's forward must return the mean loss as a scalar (loss = model(x, y)), got {what}"
+            )
+        return loss
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        if self.ctx.dp_size > 1:
+            value = value.clone()
+            dist.all_reduce(value, group=self.ctx.dp_group)
+            value /= self.ctx.dp_size
+        return float(value.item())

@@ -1,0 +1,154 @@
+"""`DSEngine`: DeepSpeed ZeRO (stage 0-2) with bigdense's TP passed in through `DeepSpeedMPU`.
+
+What bigdense does because of particular DeepSpeed behaviour lives in `ds_compat` (listed there).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from ..clip import clip_grad_norm_
+from ..precision import any_rank
+from ..schedule import build_lr_schedule
+from . import ds_compat
+from .base import Engine, EngineSettings, StepResult, mesh_group, param_groups
+
+_INPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _power_of_two(key: str, value: float) -> int:
+    exponent = math.log2(value) if value > 0 else float("nan")
+    if not (math.isfinite(exponent) and exponent == int(exponent)):
+        raise ValueError(f"{key}={value} must be a power of two for engine.kind=deepspeed (its initial_scale_power)")
+    return int(exponent)
+
+
+def _ds_config(settings: EngineSettings, stage: int, clip_in_deepspeed: bool) -> dict:
+    """DeepSpeed's JSON config for these settings (the optimizer entry is added by the caller)."""
+    dtype, precision_cfg = str(settings.precision.dtype), settings.precision
+    config = {
+        "train_micro_batch_size_per_gpu": settings.micro_batch_size,
+        "gradient_accumulation_steps": settings.grad_accum,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": max(float(settings.optim.grad_clip), 0.0) if clip_in_deepspeed else 0.0,
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": False},
+        "steps_per_print": 2**31 - 1,
+    }
+    if dtype == "fp16":
+        config["fp16"] = {
+            "enabled": True, "loss_scale": 0,
+            "initial_scale_power": _power_of_two("precision.init_scale", float(precision_cfg.init_scale)),
+            "loss_scale_window": int(precision_cfg.growth_interval),
+            "hysteresis": 1,  # lower the scale at the first overflow, like DynamicLossScaler
+            "min_loss_scale": float(precision_cfg.min_scale),
+        }
+    return config
+
+
+class DSEngine(Engine):
+    """DeepSpeed (ZeRO stage 0-2) with bigdense TP passed in through `DeepSpeedMPU`.
+
+    ZeRO partitions optimizer state (stage 1) and gradients (stage 2) over ``ctx.dp_group`` only
+    and averages gradients over it; its gradient norm and overflow checks are summed over the TP
+    group, counting sharded parameters (``tensor_model_parallel``) on every TP rank and replicated
+    ones once. Mixed precision is DeepSpeed's own: ``precision=bf16``/``fp16`` make the module's
+    parameters bf16/fp16, with fp32 master weights in DeepSpeed's optimizer, and floating-point
+    inputs and targets are cast to that dtype (no autocast: autocast would feed fp32 activations to
+    bf16 LayerNorm weights); ``fp16`` uses DeepSpeed's dynamic loss scaler, whose overflow check
+    is reduced over the DP and TP groups (GPU only: DeepSpeed's CPU accelerator has no fp16).
+    So in this engine ``engine.model``'s weights are bf16/fp16 copies; the fp32 masters are
+    DeepSpeed's (``deepspeed.utils.safe_get_full_fp32_param``). ``gradient_clipping`` is
+    ``optim.grad_clip``; AdamW is DeepSpeed's ``torch_adam`` (torch's AdamW) with the same groups.
+
+    At ZeRO stage 0 bigdense clips with `clip_grad_norm_` itself (on the DP-averaged gradients,
+    before DeepSpeed's step; fp16 gradients are still scaled, so it clips at ``grad_clip * scale``)
+    and, in fp32, skips through DeepSpeed's ``optimizer.overflow`` protocol (`ds_compat` 2 and 3).
+    """
+
+    kind = "deepspeed"
+
+    def __init__(self, model, ctx, settings: EngineSettings):
+        super().__init__(model, ctx, settings)
+        import deepspeed  # noqa: F401  (fails here, naming the missing package, before any work)
+
+        mpu = ds_compat.DeepSpeedMPU(ctx)
+        dtype, optim_cfg = self.precision_name, settings.optim
+        if dtype == "fp16" and ctx.device.type == "cpu":
+            raise ValueError("precision.dtype=fp16 with engine.kind=deepspeed needs a GPU: DeepSpeed's CPU accelerator "
+                             "has no fp16; use precision=bf16 or engine=ddp")
+        stage = int(settings.engine.zero_stage)
+        if stage not in (0, 1, 2):
+            raise ValueError(f"engine.zero_stage={stage} is not one of [0, 1, 2]")
+        self.grad_clip = float(optim_cfg.grad_clip)
+        self.own_clip = ds_compat.bigdense_clips(stage)
+        config = _ds_config(settings, stage, clip_in_deepspeed=not self.own_clip)
+        adamw = {"lr": float(optim_cfg.lr), "betas": [float(b) for b in optim_cfg.betas], "eps": float(optim_cfg.eps),
+                 "weight_decay": float(optim_cfg.weight_decay)}
+        groups = param_groups(model, optim_cfg.weight_decay)
+        client_optimizer = None
+        if self.own_clip and dtype == "fp32":
+            # DeepSpeed hands a client optimizer straight to its fp32 path; this one can be told to skip.
+            client_optimizer = ds_compat.SkippableAdamW(groups, **{k: v for k, v in adamw.items() if k != "weight_decay"})
+        else:
+            config["optimizer"] = {"type": "AdamW", "params": {**adamw, "torch_adam": True}}
+
+        def schedule(optimizer):
+            return build_lr_schedule(optimizer, optim_cfg, settings.max_steps)
+
+        self.ds, self.optimizer, _, self.scheduler = ds_compat.initialize(
+            ctx, model=model, model_parameters=groups, optimizer=client_optimizer, lr_scheduler=schedule,
+            config=config, mpu=mpu, dist_init_required=False,
+        )
+        self.model = self.ds.module
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        ds_compat.link_zero_state(self.optimizer)
+        self._input_dtype = _INPUT_DTYPES.get(dtype)
+
+    def _compute_context(self):
+        return contextlib.nullcontext()  # DeepSpeed's bf16/fp16 weights set the compute dtype
+
+    def _to_device(self, t):
+        t = super()._to_device(t)
+        if self._input_dtype is not None and isinstance(t, torch.Tensor) and t.is_floating_point():
+            t = t.to(self._input_dtype)
+        return t
+
+    def _loss_scale(self) -> float:
+        return ds_compat.loss_scale(self.optimizer) if self.precision_name == "fp16" else 1.0
+
+    def train_step(self, micro_batches) -> StepResult:
+        micro_batches = self._check_micro_batches(micro_batches)
+        self.ds.train()
+        n = len(micro_batches)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        loss_scale, lr, norm = self._loss_scale(), float(self.ds.get_lr()[0]), None
+        for i, (x, y) in enumerate(micro_batches):
+            with self._batch_slice():
+                loss = self._check_loss(self.ds(x, y))
+            loss_sum += loss.detach().float()
+            self.ds.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
+            if i == n - 1 and self.own_clip:
+                # Boundary: DeepSpeed has all-reduced the gradients over DP in backward().
+                total = clip_grad_norm_(self._params, self.grad_clip * loss_scale, tp_group=self.ctx.tp_group)
+                norm = float(total) / loss_scale
+                if isinstance(self.optimizer, ds_compat.SkippableAdamW):
+                    self.optimizer.overflow = any_rank(not math.isfinite(norm), mesh_group(self.ctx), self.ctx.device)
+            self.ds.step()
+        skipped = not self.ds.was_step_applied()
+        if norm is None:
+            reported = self.ds.get_global_grad_norm()
+            norm = float(reported) if reported is not None else float("nan")
+        return StepResult(self._dp_mean(loss_sum / n), norm, bool(skipped), lr, loss_scale)
+
+    @property
+    def lr(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+    def checkpoint_state(self) -> dict:
+        """As `Engine.checkpoint_state`, but ``model`` is DeepSpeed's engine (``bd.save_checkpoint``
+        reads its optimizer through DeepSpeed's per-parameter API, fp32 masters included) and
+        ``optimizer`` DeepSpeed's optimizer; DeepSpeed keeps any fp16 loss scale itself."""
+        return {"model": self.ds, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": None}

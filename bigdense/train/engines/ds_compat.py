@@ -1,0 +1,155 @@
+"""Everything bigdense does because of how DeepSpeed (pinned: 0.19.8) behaves, in one place.
+
+Each workaround, the DeepSpeed behaviour it works around, and the test that pins it:
+
+1. `DeepSpeedMPU` -- DeepSpeed learns about tensor parallelism only through an ``mpu`` object with
+   Megatron's method names; it sums gradient norms and overflow flags over the model-parallel
+   group, counting a gradient on every TP rank only when its parameter carries
+   ``tensor_model_parallel``. The sequence-parallel methods are left out on purpose: DeepSpeed
+   switches to other group logic when ``initialize_sequence_parallel`` exists.
+   Pinned by ``tests/test_engine.py::test_deepspeed_tp2_zero_0_1_2_match_single_process`` and
+   ``test_deepspeed_tp2_dp2_zero_0_1_2_match_single_process`` (norms that drop shards are ~25% off).
+2. `bigdense_clips` -- at ZeRO stage 0 DeepSpeed's non-ZeRO optimizers compute the clipping norm
+   from gradient tensors, which lack ``tensor_model_parallel``, so TP shards on ranks other than 0
+   are dropped; bigdense clips with its own `clip_grad_norm_` there. Pinned by the same tests
+   (their ZeRO-0 cases).
+3. `SkippableAdamW` -- DeepSpeed's fp32 ZeRO-0 path neither reports a norm nor skips a step whose
+   gradients are non-finite; its engine does read ``optimizer.overflow`` after ``step()`` to count
+   a skipped step and hold the LR schedule, so bigdense's client optimizer honours that attribute.
+   Pinned by the same tests (the step with an injected inf must be skipped on every rank).
+4. `link_zero_state` -- torch's AdamW creates state at a group's first step, and DeepSpeed links
+   parameters to it (what ``safe_get_full_optimizer_state``, and so checkpoints, read) once, right
+   after stepping the *first* parameter group, before the others have state: parameters of the
+   other groups stay unlinked for good. Pinned by
+   ``tests/test_engine.py::test_checkpoint_state_resumes_exactly`` (every parameter of both AdamW
+   groups has ZeRO state).
+5. `loss_scale` -- the fp16 loss scale sits at ``optimizer.cur_scale`` in some optimizers and at
+   ``optimizer.loss_scale_config.cur_scale`` in others. Not pinned by a CPU test: fp16 DeepSpeed
+   needs a GPU (its CPU accelerator has no fp16).
+6. `initialize` -- ``deepspeed.initialize`` draws from torch's global generator; bigdense's dropout
+   masks come from that generator, so building an engine would shift every later mask. It runs
+   under ``fork_rng``. Pinned by ``tests/test_train_parity.py`` and the engine parity tests above
+   (masks that moved change every loss).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...parallel.context import ParallelContext
+
+
+class DeepSpeedMPU:
+    """bigdense's TP x DP mesh in the shape of DeepSpeed's model-parallel unit (``mpu=``).
+
+    DeepSpeed asks it for the model-parallel group (to sum gradient norms and overflow flags across
+    tensor shards) and for the data-parallel group (ZeRO partitions optimizer state and gradients
+    over it, and averages gradients over it). bigdense has no pipeline stages, so "model parallel"
+    is TP exactly. Only the methods DeepSpeed calls are provided (see workaround 1 above).
+    """
+
+    def __init__(self, ctx: ParallelContext):
+        if not ctx.is_distributed or ctx.tp_group is None or ctx.dp_group is None:
+            raise ValueError(
+                "DeepSpeedMPU: the parallel context has no process groups (a single process without a launcher); "
+                "engine.kind=deepspeed needs torch.distributed -- launch with torchrun or deepspeed, "
+                "even for one process"
+            )
+        self.ctx = ctx
+
+    # model parallel == tensor parallel (no pipeline)
+    def get_model_parallel_rank(self) -> int:
+        return self.ctx.tp_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.ctx.tp_size
+
+    def get_model_parallel_group(self):
+        return self.ctx.tp_group
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.ctx.tp_rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.ctx.tp_size
+
+    def get_tensor_model_parallel_group(self):
+        return self.ctx.tp_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        """Global rank of TP rank 0 of this rank's TP group (the mesh puts TP innermost)."""
+        return self.ctx.dp_rank * self.ctx.tp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.ctx.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.ctx.dp_size
+
+    def get_data_parallel_group(self):
+        return self.ctx.dp_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return [d * self.ctx.tp_size + self.ctx.tp_rank for d in range(self.ctx.dp_size)]
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return 0
+
+
+def bigdense_clips(zero_stage: int) -> bool:
+    """Whether bigdense clips (and, in fp32, skips) itself rather than DeepSpeed (workaround 2):
+    at stage 0, on the DP-averaged gradients after DeepSpeed's backward, before its step."""
+    return zero_stage == 0
+
+
+class SkippableAdamW(torch.optim.AdamW):
+    """torch AdamW honouring DeepSpeed's ``optimizer.overflow`` protocol (workaround 3): set
+    ``overflow`` before DeepSpeed's ``step()`` and the step is skipped and counted as skipped."""
+
+    overflow = False
+
+    def step(self, closure=None):
+        if self.overflow:
+            return None
+        return super().step(closure)
+
+
+def link_zero_state(optimizer) -> None:
+    """Give each ZeRO flat partition its AdamW state now and link every parameter to its slice
+    (workaround 4). Zero state with step 0 is exactly what AdamW would create; with it in place
+    every group links, now and at DeepSpeed's own lazy link. Other DeepSpeed optimizers are left alone.
+    """
+    lp_groups = getattr(optimizer, "bit16_groups", None)
+    flats = getattr(optimizer, "single_partition_of_fp32_groups", None)
+    inner = getattr(optimizer, "optimizer", None)
+    if lp_groups is None or flats is None or not isinstance(inner, torch.optim.Optimizer):
+        return
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+    step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # AdamW's choice
+    for lps, flat in zip(lp_groups, flats):
+        state = inner.state[flat]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=step_dtype)
+            state["exp_avg"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+        lazy_init_hp_params_optimizer_state(lps, flat, inner.state)
+
+
+def loss_scale(optimizer) -> float:
+    """The current fp16 loss scale of a DeepSpeed optimizer, wherever it keeps it (workaround 5)."""
+    scale = getattr(optimizer, "cur_scale", None)
+    if scale is None:
+        scale = getattr(getattr(optimizer, "loss_scale_config", None), "cur_scale", 1.0)
+    return float(scale)
+
+
+def initialize(ctx: ParallelContext, **kwargs):
+    """``deepspeed.initialize(**kwargs)`` without moving torch's generators (workaround 6)."""
+    import deepspeed
+
+    rng_devices = [ctx.device] if ctx.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=rng_devices):
+        return deepspeed.initialize(**kwargs)

@@ -1,0 +1,43 @@
+"""`build_engine`: the engine the config names, built from one `EngineSettings`."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn as nn
+
+from ...parallel.context import ParallelContext, get_default_context
+from .base import Engine, EngineSettings
+from .ddp import DDPEngine
+from .deepspeed import DSEngine
+
+ENGINES = {"ddp": DDPEngine, "deepspeed": DSEngine}  # engine.kind -> class
+
+
+def build_engine(
+    model: nn.Module,
+    ctx: Optional[ParallelContext] = None,
+    settings: Optional[EngineSettings] = None,
+    *,
+    engine_cfg=None,
+    optim_cfg=None,
+    precision_cfg=None,
+    micro_batch_size: Optional[int] = None,
+    grad_accum: int = 1,
+    max_steps: Optional[int] = None,
+) -> Engine:
+    """The engine ``settings.engine.kind`` names, around ``model`` (already on ``ctx.device``).
+
+    ``settings`` is an `EngineSettings` (``EngineSettings.from_run_config(cfg)``); the keywords
+    build one instead (``engine_cfg=cfg.engine, optim_cfg=cfg.optim, precision_cfg=...,
+    micro_batch_size=..., grad_accum=..., max_steps=...``). Build it after the model is complete
+    (recompute applied, weights tied) and after seeding: the engine does not consume the RNG dropout
+    draws from. ``ctx`` defaults to the default context.
+    """
+    ctx = ctx if ctx is not None else get_default_context()
+    if settings is None:
+        settings = EngineSettings(engine=engine_cfg, optim=optim_cfg, precision=precision_cfg,
+                                  micro_batch_size=micro_batch_size, grad_accum=grad_accum, max_steps=max_steps)
+    kind = str(settings.engine.kind)
+    if kind not in ENGINES:
+        raise ValueError(f"engine.kind={kind!r} is not one of {list(ENGINES)}")
+    return ENGINES[kind](model, ctx, settings)
