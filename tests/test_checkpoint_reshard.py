@@ -5,6 +5,8 @@ chain of saves and loads: tp=2 -> {tp=1 (no process group), tp=3, tp=4}; the tp=
 (under DDP), saved again from there -> tp=1, and exported to one dense file. Every rank compares
 every tensor it holds (uneven shards included) with torch.equal against its slice of the reference.
 """
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -79,11 +81,18 @@ def test_save_at_tp2_loads_bit_identically_at_tp_1_3_4_and_after_dp_changes(tmp_
           {"tp": 3, "dp": 1, "world_size": 3})
     check([_load_and_check(ckpt_c, reference, 1)], {"tp": 2, "dp": 2, "world_size": 4})
 
-    # DP replicas wrote no shards of their own: one model file per TP rank, one RNG file per rank.
+    # The DP replicas of each TP rank shared out the writing: one model and one optimizer file per
+    # (TP, DP) rank, one RNG file per rank, and each replica wrote about half of its TP rank's bytes.
     files = sorted(p.name for p in ckpt_c.iterdir())
-    assert files == ["common.pt", "manifest.json", "model-tp00-of-02.safetensors", "model-tp01-of-02.safetensors",
-                     "optim-tp00-of-02.safetensors", "optim-tp01-of-02.safetensors",
-                     "rank00000.pt", "rank00001.pt", "rank00002.pt", "rank00003.pt"]
+    shard_files = [f"{kind}-tp0{t}-of-02-dp0{d}-of-02.safetensors" for kind in ("model", "optim")
+                   for t in range(2) for d in range(2)]
+    assert files == sorted(["common.pt", "manifest.json", *shard_files, *[f"rank0000{r}.pt" for r in range(4)]])
+    manifest = json.loads((ckpt_c / "manifest.json").read_text())
+    largest = max(4 * max(1, math.prod(s["shape"])) for e in manifest["tensors"].values() for s in e["shards"])
+    for t in range(2):
+        per_replica = [sum((ckpt_c / f).stat().st_size for f in shard_files if f"-tp0{t}-" in f and f"-dp0{d}-" in f)
+                       for d in range(2)]
+        assert abs(per_replica[0] - per_replica[1]) <= largest + 2048, per_replica  # greedy by bytes; headers differ
 
     # Offline export: one file, plain names, full tensors equal to the reference.
     dense = load_file(bd.export_dense(ckpt_c, tmp_path / "dense.safetensors"))

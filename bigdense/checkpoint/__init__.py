@@ -1,19 +1,22 @@
 """Sharded checkpoints, resharding, dense export and import: what goes to and from disk.
 
     bd.save_checkpoint("runs/x/step_1000", model, optimizer, scheduler=sched, extra={"data_pos": pos})
+    handle = bd.save_checkpoint("runs/x/step_2000", model, optimizer, async_=True)   # returns at once
+    bd.wait_for_checkpoints()                               # or handle.wait(); both re-raise a failure
     info = bd.load_checkpoint("runs/x/latest", model, optimizer, scheduler=sched)   # at any tp / dp
     bd.export_dense("runs/x/latest", "model.safetensors")   # one unsharded file, plain nn.Module names
 
 See `bigdense.checkpoint.format` for the on-disk layout.
 """
+from .background import SaveHandle, wait_for_checkpoints
 from .dense import export_dense, load_dense_state_dict
 from .format import CheckpointError
 from .load import CheckpointInfo, load_checkpoint
 from .save import save_checkpoint
 
 __all__ = [
-    "save_checkpoint", "load_checkpoint", "CheckpointInfo", "CheckpointError", "export_dense",
-    "load_dense_state_dict",
+    "save_checkpoint", "load_checkpoint", "SaveHandle", "wait_for_checkpoints", "CheckpointInfo", "CheckpointError",
+    "export_dense", "load_dense_state_dict",
 ]
 
 _MOVED = {"parallelize": "bigdense.parallelize", "plan_parallelism": "bigdense.parallelize",

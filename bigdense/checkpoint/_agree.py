@@ -16,19 +16,21 @@ import torch.distributed as dist
 from .format import CheckpointError
 
 
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+def world_size(group=None) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def world_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
-    if world_size() == 1:
+def all_gather_objects(obj: Any, group=None) -> list[Any]:
+    """Every rank's ``obj`` in rank order, over ``group`` (default: the world; a group passed here
+    spans the whole world too, such as the background saves' own)."""
+    if world_size(group) == 1:
         return [obj]
-    out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -40,11 +42,11 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def agree(what: str, fn: Callable[[], Any], *, gather: bool = False) -> Any:
+def agree(what: str, fn: Callable[[], Any], *, gather: bool = False, group=None) -> Any:
     """Run ``fn()`` here; raise on every rank if it raised on any.
 
     Returns ``fn()``'s result, or with ``gather=True`` every rank's result in rank order (the
-    results travel with the error strings, in the same collective).
+    results travel with the error strings, in the same collective, over ``group``).
     """
     local: Optional[BaseException] = None
     message = None
@@ -56,7 +58,7 @@ def agree(what: str, fn: Callable[[], Any], *, gather: bool = False) -> Any:
     except Exception as exc:  # noqa: BLE001 - an unexpected failure must reach the other ranks too
         local = exc
         message = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    exchanged = all_gather_objects((message, result if gather else None))
+    exchanged = all_gather_objects((message, result if gather else None), group)
     messages = [m for m, _ in exchanged]
     failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
     if failed:

@@ -17,7 +17,9 @@ from .format import (
     FORMAT_NAME, CheckpointError, SafetensorsReader, check_files, dtype_from_code, narrow_box,
     read_manifest, resolve_checkpoint, write_safetensors,
 )
-from .state import DeepSpeedOptimizer, current_context, model_pieces, unwrap
+from ..durable import hidden_sibling
+from .optimizer import resolve_optimizer
+from .pieces import current_context, model_pieces, unwrap
 
 
 def export_dense(ckpt_path, out_file, *, dtype: Optional[torch.dtype] = None, verify: bool = True) -> Path:
@@ -51,7 +53,7 @@ def export_dense(ckpt_path, out_file, *, dtype: Optional[torch.dtype] = None, ve
             if shard["file"] not in readers:
                 readers[shard["file"]] = SafetensorsReader(ckpt / shard["file"])
             reader = readers[shard["file"]]
-            if verify and reader.sha256(shard["name"]) != shard["sha256"]:
+            if verify and not reader.matches(shard["name"], shard):
                 raise CheckpointError(
                     f"{ckpt / shard['file']}: tensor {shard['name']!r} fails its checksum (corrupted file)"
                 )
@@ -60,7 +62,7 @@ def export_dense(ckpt_path, out_file, *, dtype: Optional[torch.dtype] = None, ve
 
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_file.with_name(f".{out_file.name}.tmp-{os.getpid()}")
+    tmp = hidden_sibling(out_file, "tmp")
     try:
         layout = [(n, out_dtype(tensors[names[n]]), tensors[names[n]]["global_shape"]) for n in ordered]
         write_safetensors(tmp, layout, assemble, {"format": "pt", "source": f"{FORMAT_NAME}:{ckpt.name}"})
@@ -141,8 +143,9 @@ def load_dense_state_dict(
         finally:
             if reader is not None:
                 reader.close()
-        if optimizer is not None and DeepSpeedOptimizer.wraps(optimizer):
-            DeepSpeedOptimizer(optimizer).load(model_state, None, {})
+        adapter = resolve_optimizer(optimizer, None)
+        if adapter is not None:
+            adapter.load(model_state, None, {})  # derived state (DeepSpeed's fp32 masters) follows the weights
 
     agree(f"load_dense_state_dict({source}): applying", apply)
     return missing

@@ -2,7 +2,8 @@
 
     step_1000/
       manifest.json                   written last; its presence marks the directory complete
-      model-tp00-of-02.safetensors    model tensors held by TP rank 0 (written by DP rank 0 only)
+      model-tp00-of-02.safetensors    model tensors of TP rank 0 (at dp > 1, one file per writing
+      model-tp00-of-02-dp01-of-02.safetensors   DP replica: the replicas share out the tensors)
       optim-tp00-of-02.safetensors    optimizer tensors (Adam moments, step counters) likewise
       common.pt                       replicated non-tensor state: optimizer hyper-parameters,
                                       scheduler, loss scaler (torch.save, loaded weights_only)
@@ -19,7 +20,6 @@ This module is free of process groups: the offline tools (`export_dense`) use it
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import mmap
@@ -30,8 +30,10 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from .digest import Hasher, file_matches, matches
+
 FORMAT_NAME = "bigdense.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: files may be per (TP, DP) rank; checksums are tagged ``hash`` values
 MANIFEST = "manifest.json"
 COMMON = "common.pt"
 LATEST = "latest"
@@ -60,9 +62,11 @@ def dtype_from_code(code: str) -> torch.dtype:
     return _FROM_CODE[code]
 
 
-def shard_file_name(kind: str, tp_rank: int, tp_size: int) -> str:
-    """``model-tp01-of-04.safetensors``: the file of ``kind`` written by TP rank ``tp_rank``."""
-    return f"{kind}-tp{tp_rank:02d}-of-{tp_size:02d}.safetensors"
+def shard_file_name(kind: str, tp_rank: int, tp_size: int, dp_rank: int = 0, dp_size: int = 1) -> str:
+    """``model-tp01-of-04.safetensors`` (``...-dp01-of-02.safetensors`` at dp > 1): the file of
+    ``kind`` written by the rank at (``tp_rank``, ``dp_rank``)."""
+    dp = f"-dp{dp_rank:02d}-of-{dp_size:02d}" if dp_size > 1 else ""
+    return f"{kind}-tp{tp_rank:02d}-of-{tp_size:02d}{dp}.safetensors"
 
 
 def rank_file_name(rank: int) -> str:
@@ -78,42 +82,18 @@ def _raw_bytes(tensor: torch.Tensor):
 # writing
 
 
-def fsync_dir(path) -> None:
-    """Make a directory's entries (created or renamed files) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_bytes_durably(path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def replace_text_durably(path, text: str, tmp_suffix: str) -> None:
-    """Atomically replace ``path`` by a file holding ``text`` (temporary name, fsync, rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{tmp_suffix}")
-    write_bytes_durably(tmp, text.encode())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def write_safetensors(
     path,
     layout: Sequence[tuple[str, torch.dtype, Sequence[int]]],
     produce: Callable[[str], torch.Tensor],
     metadata: Optional[dict] = None,
 ) -> dict:
-    """Write a safetensors file one tensor at a time and fsync it; return ``{name: sha256}``.
+    """Write a safetensors file one tensor at a time and fsync it; return ``{name: digest}``.
 
     ``layout`` lists ``(name, dtype, shape)`` in file order (the header comes first);
     ``produce(name)`` returns each tensor when its turn comes, so only one tensor's CPU copy is
     alive at a time -- `export_dense` assembles full tensors this way in O(largest tensor) memory.
+    Each tensor is hashed from the bytes being written (`digest`), not read back.
     """
     header, offset = {}, 0
     for name, dtype, shape in layout:
@@ -135,7 +115,7 @@ def write_safetensors(
                     f"{path}: tensor {name!r} is {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}"
                 )
             data = _raw_bytes(t.detach().to("cpu").contiguous())
-            digests[name] = hashlib.sha256(data).hexdigest()
+            digests[name] = Hasher().update(data).hexdigest()
             f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -197,9 +177,14 @@ class SafetensorsReader:
         entry, _, _ = self._entry(name)
         return dtype_from_code(entry["dtype"]), tuple(entry["shape"])
 
-    def sha256(self, name: str) -> str:
+    def matches(self, name: str, record: dict) -> bool:
+        """Whether tensor ``name``'s stored bytes hash to the digest the manifest ``record`` holds."""
         _, begin, end = self._entry(name)
-        return hashlib.sha256(memoryview(self._mm)[begin:end]).hexdigest()
+        return matches(record, memoryview(self._mm)[begin:end] if end > begin else b"")
+
+    def nbytes(self, name: str) -> int:
+        _, begin, end = self._entry(name)
+        return end - begin
 
     def view(self, name: str) -> torch.Tensor:
         entry, begin, end = self._entry(name)
@@ -221,14 +206,6 @@ class SafetensorsReader:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def file_sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,6 +230,33 @@ def narrow_box(t: torch.Tensor, t_off: Sequence[int], off: Sequence[int], shape:
 
 def volume(shape: Sequence[int]) -> int:
     return math.prod(shape)
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, end: int) -> list[tuple[list[int], list[int], int]]:
+    """The elements ``start:end`` of a row-major tensor of ``shape``, as boxes ``(offsets, shape,
+    flat start)``: at most two partial rows per dimension around one block of whole rows, each box
+    contiguous in the flat order (so a flat fragment, such as a ZeRO partition's, stores as boxes)."""
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [([start] if shape else [], [end - start] if shape else [], start)]
+    inner = volume(shape[1:])
+    (r0, c0), (r1, c1) = divmod(start, inner), divmod(end, inner)
+
+    def within_row(row: int, lo: int, hi: int):
+        return [([row, *off], [1, *shp], row * inner + flat) for off, shp, flat in flat_range_boxes(shape[1:], lo, hi)]
+
+    if r0 == r1:
+        return within_row(r0, c0, c1)
+    boxes = []
+    if c0 > 0:
+        boxes += within_row(r0, c0, inner)
+        r0 += 1
+    if r1 > r0:
+        boxes.append(([r0] + [0] * (len(shape) - 1), [r1 - r0, *shape[1:]], r0 * inner))
+    if c1 > 0:
+        boxes += within_row(r1, 0, c1)
+    return boxes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,7 +346,7 @@ def check_files(ckpt_dir: Path, manifest: dict, names: Optional[Iterable[str]] =
             raise CheckpointError(
                 f"{path}: expected {info['bytes']} bytes, found {size} (truncated or overwritten){holds}"
             )
-        if "sha256" in info and file_sha256(path) != info["sha256"]:
+        if not file_matches(info, path):
             raise CheckpointError(f"{path}: checksum mismatch (corrupted)")
 
 

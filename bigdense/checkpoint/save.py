@@ -1,95 +1,298 @@
-"""`save_checkpoint`: every rank writes its own shards into a temporary directory; rank 0 commits.
+"""`save_checkpoint`: every rank writes its share into a temporary directory; rank 0 commits.
 
-Commit protocol (each arrow is an `agree`, so a failure anywhere stops every rank together):
+The phases, each closed by an `agree` (so a failure anywhere stops every rank together):
 
-1. rank 0 creates ``.<name>.tmp-<token>`` beside the target (and removes leftovers of earlier
-   interrupted saves of the same name)                                                        ->
-2. TP ranks of DP rank 0 write their model and optimizer shards; every rank writes its RNG state
-   and ``extra``; rank 0 writes the replicated state; each file is fsynced                     ->
-3. rank 0 checks that the shards tile every tensor, writes ``manifest.json`` (the completeness
-   marker), fsyncs, renames the directory into place, then moves ``latest`` (temporary name,
-   ``os.replace``)                                                                              ->
-4. every rank returns.
+1. prepare: rank 0 creates ``.<name>.tmp-<token>`` beside the target (and removes leftovers of
+   earlier interrupted saves of the same name); every rank serialises its small state and picks
+   the tensors it writes (`writers.assign_writes`: its TP shards, shared out over its DP
+   replicas). An asynchronous save copies those tensors to host memory here and returns.
+2. write: each rank writes its model and optimizer shard files, its RNG state and ``extra``;
+   rank 0 the replicated state; every file is hashed as it is written and fsynced.
+3. commit: rank 0 checks that the shards tile every tensor, writes ``manifest.json`` (the
+   completeness marker), fsyncs, renames the directory into place, then moves ``latest``
+   (temporary name, ``os.replace``) and removes checkpoints beyond ``keep_last``.
 
-A crash before the rename leaves only a hidden temporary directory, which no load accepts
-(`resolve_checkpoint` requires the manifest, and nothing points to it); a crash after it leaves a
+A crash before the manifest is written leaves only a hidden temporary directory that no load
+accepts. A crash after the manifest but before the rename leaves a complete copy under the
+temporary name: a plain save leaves it (loading it directly is refused), while a re-save of an
+existing name, whose old copy was already moved aside, is rolled forward to it by the next load
+or save of that name (`format.swapped_out_checkpoint`). A crash after the rename leaves a
 complete checkpoint, with ``latest`` still naming the previous one until step 3 finishes.
 All ranks must see one shared filesystem.
 """
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
-import secrets
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from ..durable import fsync_dir, hidden_sibling, replace_text_durably, write_bytes_durably
+from . import background
 from ._agree import agree, broadcast_object
+from .digest import digest_bytes
 from .format import (
-    COMMON, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, dtype_code, file_sha256, fsync_dir,
-    rank_file_name, replace_text_durably, shard_file_name, swapped_out_checkpoint, volume, write_bytes_durably,
-    write_safetensors,
+    COMMON, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, dtype_code, rank_file_name, read_manifest,
+    shard_file_name, swapped_out_checkpoint, volume, write_safetensors,
 )
-from .state import (
-    DeepSpeedOptimizer, capture_rng, current_context, model_pieces, resolve_optimizer, torch_optimizer_pieces, unwrap,
-)
-
+from .optimizer import OptimizerAdapter, resolve_optimizer
+from .pieces import Piece, current_context, model_pieces, unwrap
+from .retention import remove_beyond
+from .rng import capture_rng
+from .writers import assign_writes, name_in_file
 
 _ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")  # a DeepSpeedEngine's step counters
 
 
-def _weights_only_bytes(obj: Any, what: str) -> bytes:
-    """``torch.save`` bytes of ``obj``, refused now if a ``weights_only`` load could not read them back."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
+@dataclass
+class SavePlan:
+    """One save: where it goes and what it reads from."""
+
+    final: Path
+    tmp: Path
+    token: str
+    ctx: Any
+    module: torch.nn.Module
+    engine: Any
+    optimizer: Optional[OptimizerAdapter]
+    scheduler: Any
+    scaler: Any
+    extra: Any
+    step: Optional[int]
+    config: Any
+    update_latest: bool
+    keep_last: Optional[int]
+
+
+@dataclass
+class Snapshot:
+    """What this rank writes, fixed when `save_checkpoint` is called."""
+
+    model: list[Piece]
+    optim: list[Piece]
+    rank_blob: bytes
+    common_blob: Optional[bytes]  # rank 0 only
+    aliases: dict
+    ready: Any = None  # a CUDA event the host copies wait for (asynchronous saves on GPUs)
+
+
+def save_checkpoint(
+    path,
+    model,
+    optimizer=None,
+    *,
+    scheduler=None,
+    scaler=None,
+    extra: Any = None,
+    step: Optional[int] = None,
+    config: Any = None,
+    update_latest: bool = True,
+    keep_last: Optional[int] = None,
+    async_: bool = False,
+):
+    """Save ``model`` (and optimizer, scheduler, scaler, RNG, ``extra``) to the directory ``path``.
+
+    Collective: every rank of the job calls it with the same ``path``. Per rank it writes only its
+    share: the TP shards it holds (``bd_shard_specs()`` of the layers; Adam moments are sharded like
+    their parameters; TP-replicated tensors come from TP rank 0), shared out over the DP replicas
+    of its TP rank, so each of dp replicas writes about 1/dp of the bytes. No rank gathers the full
+    model, and a DeepSpeed ZeRO optimizer is saved from each DP rank's own partition.
+
+    ``model``: an ``nn.Module``, a DDP wrapper or a DeepSpeedEngine (ZeRO 0-2; ``scheduler`` then
+    defaults to the engine's). ``scheduler``/``scaler``: anything with ``state_dict()``. ``extra``:
+    per-rank user state (a data position, ...) of tensors, numbers, strings, lists, tuples and
+    dicts; `load_checkpoint` returns it. ``step``: recorded in the manifest (defaults to a
+    DeepSpeed engine's ``global_steps``). ``config``: a JSON-able dict or an OmegaConf config,
+    recorded in the manifest. ``update_latest``: point ``<parent>/latest`` at this checkpoint once
+    it is complete. ``keep_last``: then remove all but the newest ``keep_last`` complete
+    checkpoints beside it (never the one ``latest`` names, never one being written).
+
+    ``async_=False`` returns the checkpoint directory once it is complete. ``async_=True`` returns
+    a `SaveHandle` as soon as the state is snapshotted (tensors copied to host memory: pinned on
+    GPUs), so changing the model or optimizer afterwards does not change what is saved; writing,
+    hashing, fsync and the commit run in a background thread while training goes on. At most one
+    save is in flight: a new save first waits for the previous one. ``handle.wait()`` re-raises a
+    failure; `wait_for_checkpoints` waits for the save in flight. The save is atomic either way:
+    see this module's docstring.
+    """
+    background.wait_for_checkpoints(raise_failure=False)  # at most one in flight; its failure stays with its handle
+    plan = _plan(path, model, optimizer, scheduler, scaler, extra, step, config, update_latest, keep_last)
     try:
-        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    except Exception as exc:  # noqa: BLE001
+        snapshot = agree(f"save_checkpoint({plan.final}): preparing", lambda: _prepare(plan, copy=async_))
+    except BaseException:
+        _remove_tmp(plan)
+        raise
+    if async_:
+        return background.start(plan.final, lambda group: _write_and_commit(plan, snapshot, group))
+    _write_and_commit(plan, snapshot, group=None)
+    return plan.final
+
+
+def _plan(path, model, optimizer, scheduler, scaler, extra, step, config, update_latest, keep_last) -> SavePlan:
+    final = Path(path)
+    if final.name in ("", ".", "..", LATEST):
+        raise CheckpointError(f"save_checkpoint: {str(path)!r} cannot name a checkpoint directory")
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointError(f"save_checkpoint: keep_last={keep_last!r} must be a positive integer or None")
+    module, engine = unwrap(model)
+    ctx = current_context()
+    adapter = resolve_optimizer(optimizer, engine)
+    if engine is not None:
+        scheduler = scheduler if scheduler is not None else getattr(engine, "lr_scheduler", None)
+        step = step if step is not None else getattr(engine, "global_steps", None)
+    token = broadcast_object(f"{os.getpid()}-{os.urandom(4).hex()}" if ctx.rank == 0 else None)
+    return SavePlan(final, hidden_sibling(final, "tmp", token), token, ctx, module, engine, adapter, scheduler,
+                    scaler, extra, step, config, update_latest, keep_last)
+
+
+def _prepare(plan: SavePlan, copy: bool) -> Snapshot:
+    # Serialise the small state first: a bad ``extra`` or scheduler fails before any file exists.
+    ctx = plan.ctx
+    rank_blob = _weights_only_bytes({"rng": capture_rng(), "extra": plan.extra, "rank": ctx.rank}, "extra=")
+    model_state = model_pieces(plan.module, ctx.tp_rank, ctx.tp_size)
+    optim_pieces = plan.optimizer.pieces(model_state) if plan.optimizer is not None else []
+    common_blob = _common_blob(plan, model_state) if ctx.rank == 0 else None
+    if ctx.rank == 0:
+        _make_tmp(plan)
+    mine = [assign_writes(p, ctx.tp_rank, ctx.dp_rank, ctx.dp_size) for p in (model_state.pieces.values(), optim_pieces)]
+    snapshot = Snapshot(mine[0], mine[1], rank_blob, common_blob, model_state.aliases)
+    return background.copy_to_host(snapshot) if copy else snapshot
+
+
+def _common_blob(plan: SavePlan, model_state) -> bytes:
+    engine, opt = plan.engine, plan.optimizer
+    common = {
+        "optimizer": None if opt is None else opt.common(model_state),
+        "scheduler": None if plan.scheduler is None else plan.scheduler.state_dict(),
+        "scaler": None if plan.scaler is None else plan.scaler.state_dict(),
+        "model_non_tensor": model_state.non_tensor,
+        "deepspeed": None if engine is None else {k: getattr(engine, k) for k in _ENGINE_COUNTERS if hasattr(engine, k)},
+    }
+    return _weights_only_bytes(common, "optimizer/scheduler/scaler state")
+
+
+def _make_tmp(plan: SavePlan) -> None:
+    """Rank 0: the temporary directory, after refusing a target that is not a checkpoint and
+    finishing or removing what earlier interrupted saves of this name left."""
+    final, parent = plan.final, plan.final.parent
+    if final.is_file() or final.is_symlink() or (final.is_dir() and not (final / MANIFEST).is_file()):
         raise CheckpointError(
-            f"{what} cannot be stored: it must hold only tensors, numbers, strings, lists, tuples and dicts "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0]})"
-        ) from None
-    return buffer.getvalue()
+            f"save_checkpoint: {final} exists and is not a bigdense checkpoint (a file, or a directory without "
+            f"{MANIFEST}); refusing to replace it -- choose another name or remove it"
+        )
+    if final.is_dir():
+        read_manifest(final)  # a foreign manifest.json is refused too
+    parent.mkdir(parents=True, exist_ok=True)
+    rolled = None if final.exists() else swapped_out_checkpoint(final)
+    if rolled is not None:  # an earlier re-save died between its renames: finish it
+        os.rename(rolled, final)
+        fsync_dir(parent)
+    for stale in [*parent.glob(f".{final.name}.tmp-*"), *parent.glob(f".{final.name}.old-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+    plan.tmp.mkdir()
 
 
-def _to_json(config) -> Any:
-    if config is None:
-        return None
+def _write_and_commit(plan: SavePlan, snapshot: Snapshot, group) -> Path:
     try:
-        from omegaconf import OmegaConf
+        per_rank = agree(f"save_checkpoint({plan.final}): writing shards", lambda: _write_files(plan, snapshot),
+                         gather=True, group=group)
+        agree(f"save_checkpoint({plan.final}): committing", lambda: _commit(plan, per_rank), group=group)
+    except BaseException:
+        _remove_tmp(plan)
+        raise
+    return plan.final
 
-        if OmegaConf.is_config(config):
-            config = OmegaConf.to_container(config, resolve=True)
-    except ImportError:
-        pass
-    return json.loads(json.dumps(config, default=str))
+
+def _remove_tmp(plan: SavePlan) -> None:
+    if plan.ctx.rank == 0:
+        shutil.rmtree(plan.tmp, ignore_errors=True)
 
 
-def _write_shards(tmp: Path, kind: str, pieces, ctx) -> list[dict]:
-    """Write this rank's pieces of ``kind`` ("model"/"optim"); return their manifest records."""
-    # A sharded tensor's empty shards (more TP ranks than rows) are simply absent.
-    mine = [p for p in pieces if (p.sharded and p.tensor.numel() > 0) or (not p.sharded and ctx.tp_rank == 0)]
-    if not mine:
-        return []
-    file_name = shard_file_name(kind, ctx.tp_rank, ctx.tp_size)
-    in_file = {p.key: p.key.split("/", 1)[1] for p in mine}
-    by_name = {in_file[p.key]: p.tensor for p in mine}
-    digests = write_safetensors(tmp / file_name, [(n, t.dtype, t.shape) for n, t in by_name.items()],
-                                by_name.__getitem__, {"format": FORMAT_NAME, "kind": kind})
+def _write_files(plan: SavePlan, snapshot: Snapshot) -> dict:
+    """This rank's files; returns its manifest records, files and bytes written."""
+    if snapshot.ready is not None:
+        snapshot.ready.synchronize()
+    ctx, tmp = plan.ctx, plan.tmp
+    records, files = [], {}
+    for kind, pieces in (("model", snapshot.model), ("optim", snapshot.optim)):
+        if pieces:
+            name = shard_file_name(kind, ctx.tp_rank, ctx.tp_size, ctx.dp_rank, ctx.dp_size)
+            records += _guarded(tmp / name, lambda: _write_shards(tmp / name, kind, pieces))
+            files[name] = {"bytes": (tmp / name).stat().st_size}
+    blobs = {rank_file_name(ctx.rank): snapshot.rank_blob}
+    if snapshot.common_blob is not None:
+        blobs[COMMON] = snapshot.common_blob
+    for name, blob in blobs.items():
+        _guarded(tmp / name, lambda: write_bytes_durably(tmp / name, blob))
+        files[name] = {"bytes": len(blob), "hash": digest_bytes(blob)}
+    written = sum(info["bytes"] for info in files.values())
+    return {"records": records, "files": files, "bytes_written": written, "aliases": snapshot.aliases}
+
+
+def _guarded(path: Path, write):
+    """Run ``write``; an OS error (a full disk, a read-only or vanished directory) names the file."""
+    try:
+        return write()
+    except OSError as exc:
+        why = "the filesystem is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "the write failed"
+        raise CheckpointError(f"cannot write {path}: {why} ({exc.strerror or exc})") from exc
+
+
+def _write_shards(path: Path, kind: str, pieces: list[Piece]) -> list[dict]:
+    by_name = {name_in_file(p): p for p in pieces}
+    digests = write_safetensors(path, [(n, p.tensor.dtype, p.shape) for n, p in by_name.items()],
+                                lambda n: by_name[n].tensor, {"format": FORMAT_NAME, "kind": kind})
     return [
         {
             "key": p.key, "global_shape": list(p.global_shape), "dtype": dtype_code(p.tensor.dtype),
             "shard_dim": p.shard_dim,
-            "shard": {"file": file_name, "name": in_file[p.key], "offsets": list(p.offsets), "shape": list(p.shape),
-                      "sha256": digests[in_file[p.key]]},
+            "shard": {"file": path.name, "name": n, "offsets": list(p.offsets), "shape": list(p.shape),
+                      "hash": digests[n]},
         }
-        for p in mine
+        for n, p in by_name.items()
     ]
+
+
+def _commit(plan: SavePlan, per_rank: list[dict]) -> None:
+    """Rank 0: the manifest, the rename, ``latest``, retention."""
+    if plan.ctx.rank != 0:
+        return
+    tmp, final, parent = plan.tmp, plan.final, plan.final.parent
+    write_bytes_durably(tmp / MANIFEST, json.dumps(_manifest(plan, per_rank), indent=1).encode())
+    fsync_dir(tmp)
+    if final.exists():  # re-saving a name (e.g. after a restart): swap, then drop the old one
+        old = hidden_sibling(final, "old", plan.token)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    fsync_dir(parent)
+    if plan.update_latest:
+        replace_text_durably(parent / LATEST, final.name + "\n", f"tmp-{plan.token}")
+    if plan.keep_last is not None:
+        remove_beyond(parent, plan.keep_last, keep=final)
+
+
+def _manifest(plan: SavePlan, per_rank: list[dict]) -> dict:
+    tensors, files = _merge_records(per_rank)
+    ctx, opt = plan.ctx, plan.optimizer
+    return {
+        "format": FORMAT_NAME, "version": FORMAT_VERSION, "step": plan.step, "config": _to_json(plan.config),
+        "created_unix": time.time(), "torch_version": torch.__version__,
+        "layout": {"tp": ctx.tp_size, "dp": ctx.dp_size, "world_size": ctx.world_size},
+        "optimizer_engine": None if opt is None else opt.kind,
+        "has": {"optimizer": opt is not None, "scheduler": plan.scheduler is not None, "scaler": plan.scaler is not None},
+        "aliases": per_rank[0]["aliases"], "tensors": tensors, "files": files,
+        "bytes_written_per_rank": [r["bytes_written"] for r in per_rank],
+    }
 
 
 def _merge_records(per_rank: list[dict]) -> tuple[dict, dict]:
@@ -119,130 +322,28 @@ def _merge_records(per_rank: list[dict]) -> tuple[dict, dict]:
     return tensors, files
 
 
-def save_checkpoint(
-    path,
-    model,
-    optimizer=None,
-    *,
-    scheduler=None,
-    scaler=None,
-    extra: Any = None,
-    step: Optional[int] = None,
-    config: Any = None,
-    update_latest: bool = True,
-) -> Path:
-    """Save ``model`` (and optimizer, scheduler, scaler, RNG, ``extra``) to the directory ``path``.
-
-    Collective: every rank of the job calls it with the same ``path``. Per rank it writes only what
-    it holds: TP rank ``t`` of DP rank 0 writes its shard of each sharded parameter (the
-    ``bd_shard_specs()`` of the layers) and of its optimizer state (Adam moments are sharded like
-    their parameters); TP-replicated tensors are written once, by TP rank 0; DP replicas write none
-    of these. No rank ever gathers the full model.
-
-    ``model``: an ``nn.Module``, a DDP wrapper or a DeepSpeedEngine (ZeRO 0-2: its own optimizer is
-    saved through DeepSpeed's per-parameter API, and ``scheduler`` defaults to the engine's).
-    ``scheduler``/``scaler``: anything with ``state_dict()``. ``extra``: per-rank user state (a data
-    position, ...) of tensors, numbers, strings, lists, tuples and dicts; `load_checkpoint` returns
-    it. ``step``: recorded in the manifest (defaults to a DeepSpeed engine's ``global_steps``).
-    ``config``: a JSON-able dict or an OmegaConf config, recorded in the manifest.
-    ``update_latest``: point ``<parent>/latest`` at this checkpoint once it is complete.
-
-    Returns the checkpoint directory. The save is atomic: see this module's docstring.
-    """
-    final = Path(path)
-    if final.name in ("", ".", "..", LATEST):
-        raise CheckpointError(f"save_checkpoint: {str(path)!r} cannot name a checkpoint directory")
-    module, engine = unwrap(model)
-    ctx = current_context()
-    opt = resolve_optimizer(optimizer, engine)
-    if engine is not None:
-        scheduler = scheduler if scheduler is not None else getattr(engine, "lr_scheduler", None)
-        step = step if step is not None else getattr(engine, "global_steps", None)
-    parent = final.parent
-    token = broadcast_object(f"{os.getpid()}-{secrets.token_hex(4)}" if ctx.rank == 0 else None)
-    tmp = parent / f".{final.name}.tmp-{token}"
-
-    def prepare():
-        # Serialise the small state first: a bad ``extra`` or scheduler fails before any file exists.
-        rank_blob = _weights_only_bytes({"rng": capture_rng(), "extra": extra, "rank": ctx.rank}, "extra=")
-        if ctx.rank == 0:
-            parent.mkdir(parents=True, exist_ok=True)
-            rolled = None if final.exists() else swapped_out_checkpoint(final)
-            if rolled is not None:  # an earlier re-save died between its renames: finish it
-                os.rename(rolled, final)
-                fsync_dir(parent)
-            for stale in [*parent.glob(f".{final.name}.tmp-*"), *parent.glob(f".{final.name}.old-*")]:
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
-        return rank_blob
-
+def _weights_only_bytes(obj: Any, what: str) -> bytes:
+    """``torch.save`` bytes of ``obj``, refused now if a ``weights_only`` load could not read them back."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
     try:
-        rank_blob = agree(f"save_checkpoint({final}): preparing", prepare)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(
+            f"{what} cannot be stored: it must hold only tensors, numbers, strings, lists, tuples and dicts "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        ) from None
+    return buffer.getvalue()
 
-        def write():
-            model_state = model_pieces(module, ctx.tp_rank, ctx.tp_size)
-            optim_pieces, groups, non_tensor = [], None, {}
-            if isinstance(opt, DeepSpeedOptimizer):
-                optim_pieces, groups = opt.pieces(model_state)  # gathers over DP on every DP rank
-            elif opt is not None:
-                optim_pieces, groups, non_tensor = torch_optimizer_pieces(opt, model_state)
-            records, files = [], {}
-            if ctx.dp_rank == 0:
-                records += _write_shards(tmp, "model", model_state.pieces.values(), ctx)
-                records += _write_shards(tmp, "optim", optim_pieces, ctx)
-                for name in {r["shard"]["file"] for r in records}:
-                    files[name] = {"bytes": (tmp / name).stat().st_size}
-            rank_name = rank_file_name(ctx.rank)
-            write_bytes_durably(tmp / rank_name, rank_blob)
-            files[rank_name] = {"bytes": len(rank_blob), "sha256": file_sha256(tmp / rank_name)}
-            common = None
-            if ctx.rank == 0:
-                common = {
-                    "optimizer": None if opt is None else {"param_groups": groups, "non_tensor_state": non_tensor},
-                    "scheduler": None if scheduler is None else scheduler.state_dict(),
-                    "scaler": None if scaler is None else scaler.state_dict(),
-                    "model_non_tensor": model_state.non_tensor,
-                    "deepspeed": None if engine is None else {
-                        k: getattr(engine, k) for k in _ENGINE_COUNTERS if hasattr(engine, k)
-                    },
-                    "deepspeed_loss_scaler": opt.loss_scaler_state() if isinstance(opt, DeepSpeedOptimizer) else None,
-                }
-                blob = _weights_only_bytes(common, "optimizer/scheduler/scaler state")
-                write_bytes_durably(tmp / COMMON, blob)
-                files[COMMON] = {"bytes": len(blob), "sha256": file_sha256(tmp / COMMON)}
-            return {"records": records, "files": files, "aliases": model_state.aliases,
-                    "engine": "deepspeed" if isinstance(opt, DeepSpeedOptimizer) else "torch"}
 
-        per_rank = agree(f"save_checkpoint({final}): writing shards", write, gather=True)
+def _to_json(config) -> Any:
+    if config is None:
+        return None
+    try:
+        from omegaconf import OmegaConf
 
-        def commit():
-            if ctx.rank != 0:
-                return
-            tensors, files = _merge_records(per_rank)
-            manifest = {
-                "format": FORMAT_NAME, "version": FORMAT_VERSION, "step": step, "config": _to_json(config),
-                "created_unix": time.time(), "torch_version": torch.__version__,
-                "layout": {"tp": ctx.tp_size, "dp": ctx.dp_size, "world_size": ctx.world_size},
-                "optimizer_engine": per_rank[0]["engine"] if opt is not None else None,
-                "has": {"optimizer": opt is not None, "scheduler": scheduler is not None, "scaler": scaler is not None},
-                "aliases": per_rank[0]["aliases"], "tensors": tensors, "files": files,
-            }
-            write_bytes_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-            fsync_dir(tmp)
-            if final.exists():  # re-saving a name (e.g. after a restart): swap, then drop the old one
-                old = parent / f".{final.name}.old-{token}"
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
-            fsync_dir(parent)
-            if update_latest:
-                replace_text_durably(parent / LATEST, final.name + "\n", f"tmp-{token}")
-
-        agree(f"save_checkpoint({final}): committing", commit)
-    except BaseException:
-        if ctx.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+        if OmegaConf.is_config(config):
+            config = OmegaConf.to_container(config, resolve=True)
+    except ImportError:
+        pass
+    return json.loads(json.dumps(config, default=str))

@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import platform
-import secrets
 import shutil
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..durable import fsync_tree, hidden_sibling, rename_into_place
 from .corpus import CorpusFile, read_corpus
 from .tokenizer import BPETokenizer, library_version
 
@@ -80,15 +80,6 @@ def load(path: Path, key: str, vocab_size: int) -> Loaded | None:
     return Loaded(tokenizer, train, val, manifest)
 
 
-def _fsync_tree(path: Path) -> None:
-    for p in (*path.iterdir(), path):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def build(path: Path, key: str, files: Sequence[CorpusFile], vocab_size: int, val_fraction: float) -> dict:
     """Read, train, encode and publish the cache at ``path``; returns the manifest.
 
@@ -117,14 +108,14 @@ def build(path: Path, key: str, files: Sequence[CorpusFile], vocab_size: int, va
         "build_s": round(time.perf_counter() - t0, 2),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = hidden_sibling(path, "partial")
     tmp.mkdir()
     try:
         tokenizer.save(tmp / "tokenizer.json")
         np.save(tmp / "train.npy", train)
         np.save(tmp / "val.npy", val)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         _publish(tmp, path, key, vocab_size)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -133,7 +124,7 @@ def build(path: Path, key: str, files: Sequence[CorpusFile], vocab_size: int, va
 
 def _publish(tmp: Path, path: Path, key: str, vocab_size: int) -> None:
     try:
-        os.rename(tmp, path)
+        rename_into_place(tmp, path)
         return
     except OSError:
         if not path.exists():
@@ -141,7 +132,7 @@ def _publish(tmp: Path, path: Path, key: str, vocab_size: int) -> None:
     if load(path, key, vocab_size) is not None:
         return  # another builder got there first with the same inputs
     # A broken folder under the final name (not made by `build`): move it aside, then publish.
-    stale = path.with_name(f".{path.name}.stale-{os.getpid()}-{secrets.token_hex(4)}")
+    stale = hidden_sibling(path, "stale")
     os.rename(path, stale)
     shutil.rmtree(stale, ignore_errors=True)
-    os.rename(tmp, path)
+    rename_into_place(tmp, path)

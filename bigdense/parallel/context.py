@@ -64,6 +64,7 @@ class ParallelContext:
     dp_group: Optional[ProcessGroup]
     device: torch.device
     mesh: Optional[object] = None  # torch DeviceMesh (dp, tp) when distributed
+    timeout: Optional[datetime.timedelta] = None  # the collective deadline init_parallel was given
 
     @property
     def tp_size(self) -> int:
@@ -187,14 +188,19 @@ def init_parallel(
         dp_group=mesh.get_group("dp"),
         device=device,
         mesh=mesh,
+        timeout=timeout,
     )
     set_default_context(ctx)
     return ctx
 
 
 def destroy_parallel() -> None:
-    """Forget the default context and tear down the process group if `init_parallel` created it."""
+    """Wait for an asynchronous checkpoint save in flight, forget the default context and tear down
+    the process group if `init_parallel` created it."""
     global _owns_process_group
+    from ..checkpoint.background import release
+
+    release()
     set_default_context(None)
     if _owns_process_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -30,8 +30,19 @@ Each workaround, the DeepSpeed behaviour it works around, and the test that pins
    masks come from that generator, so building an engine would shift every later mask. It runs
    under ``fork_rng``. Pinned by ``tests/test_train_parity.py`` and the engine parity tests above
    (masks that moved change every loss).
+7. `zero_layout`, `zero_fragment`, `loss_scaler_state` -- what checkpoints read from a ZeRO-1/2 or
+   BF16 optimizer has no public API: the parameter groups and their flat fp32 partitions sit under
+   ``bit16_groups`` / ``single_partition_of_fp32_groups`` (ZeRO) or ``bf16_groups`` /
+   ``fp32_groups_flat_partition`` (BF16); where a parameter's fragment lies in this DP rank's
+   partition is its ``_hp_mapping`` (``lp_fragment_address`` in the parameter,
+   ``get_hp_fragment_address()`` in the partition; ``None`` when the rank holds none of it); the
+   fp16 loss scaler's counters are plain attributes of ``loss_scaler``. Pinned by
+   ``tests/test_checkpoint_deepspeed.py`` (ZeRO-1/2 and bf16 partitions saved per DP rank load
+   bit-exactly at other layouts and into plain AdamW).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -153,3 +164,40 @@ def initialize(ctx: ParallelContext, **kwargs):
     rng_devices = [ctx.device] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=rng_devices):
         return deepspeed.initialize(**kwargs)
+
+
+_ZERO_LAYOUTS = (("bit16_groups", "single_partition_of_fp32_groups"), ("bf16_groups", "fp32_groups_flat_partition"))
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def zero_layout(optimizer) -> Optional[tuple[list, list]]:
+    """``(parameter groups, flat fp32 partitions)`` of a ZeRO-1/2 or BF16 optimizer wrapper, or
+    ``None`` for any other optimizer (workaround 7)."""
+    if not hasattr(optimizer, "optimizer"):
+        return None
+    for lp, hp in _ZERO_LAYOUTS:
+        if hasattr(optimizer, lp) and hasattr(optimizer, hp):
+            return getattr(optimizer, lp), getattr(optimizer, hp)
+    return None
+
+
+def zero_fragment(param) -> Optional[tuple[int, int, int]]:
+    """``(start in the flattened parameter, numel, start in the flat partition)`` of the fragment
+    of ``param`` this DP rank holds, or ``None`` (workaround 7)."""
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None or mapping.lp_fragment_address.numel == 0:
+        return None
+    return mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel, mapping.get_hp_fragment_address().start
+
+
+def loss_scaler_state(optimizer) -> Optional[dict]:
+    """The fp16 loss scaler's scale and counters, or ``None`` without one (workaround 7)."""
+    scaler = getattr(optimizer, "loss_scaler", None)
+    return None if scaler is None else {k: getattr(scaler, k) for k in _SCALER_FIELDS if hasattr(scaler, k)}
+
+
+def load_loss_scaler_state(optimizer, state: Optional[dict]) -> None:
+    scaler = getattr(optimizer, "loss_scaler", None)
+    for k, v in (state or {}).items():
+        if scaler is not None and hasattr(scaler, k):
+            setattr(scaler, k, v)

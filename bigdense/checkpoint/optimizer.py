@@ -1,0 +1,150 @@
+"""Optimizer state in a checkpoint: one adapter interface for every kind of optimizer.
+
+`save.py` and `load.py` talk to an `OptimizerAdapter` only; `resolve_optimizer` picks the adapter:
+`TorchOptimizerState` for any ``torch.optim.Optimizer`` (also DeepSpeed's stage-0 client
+optimizer), `bigdense.checkpoint.zero.ZeroOptimizerState` for DeepSpeed ZeRO-1/2 and its BF16
+optimizer. Both store the same thing -- per-parameter tensors under ``optim/<param name>/<key>``
+and parameter groups listing parameter names -- so state saved by either kind loads into the other.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .format import CheckpointError
+from .pieces import ModelState, Piece, optimizer_state_piece, param_name
+
+FP32_MASTER = "fp32_master"  # optimizer-state key under which DeepSpeed's fp32 master weights are kept
+
+
+class OptimizerAdapter:
+    """What a checkpoint needs from an optimizer.
+
+    ``kind`` is recorded in the manifest. `pieces` are this rank's per-parameter tensors (sharded
+    like their parameters where shaped like them); `common` is the replicated rest (parameter
+    groups by name, hyper-parameters, non-tensor state). `group_names` lists the parameters of each
+    group, to check a checkpoint's groups against; `loads_key` says which stored state keys this
+    kind takes; `load` puts ``tensors[param name][key]`` (this rank's boxes) and ``common`` back
+    (``common=None``: only bring derived state, such as fp32 masters, in line with the weights).
+    """
+
+    kind: str
+
+    def group_names(self, model: ModelState) -> list[list[str]]:
+        raise NotImplementedError
+
+    def pieces(self, model: ModelState) -> list[Piece]:
+        raise NotImplementedError
+
+    def common(self, model: ModelState) -> dict:
+        raise NotImplementedError
+
+    def loads_key(self, key: str) -> bool:
+        return True
+
+    def load(self, model: ModelState, common: Optional[dict], tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+
+def saved_groups_without_params(groups: list[dict]) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+class TorchOptimizerState(OptimizerAdapter):
+    """A plain ``torch.optim.Optimizer``: state by parameter, groups by parameter name."""
+
+    kind = "torch"
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+
+    def group_names(self, model: ModelState) -> list[list[str]]:
+        return [[param_name(model, p, f"optimizer param group {g}") for p in group["params"]]
+                for g, group in enumerate(self.optimizer.param_groups)]
+
+    def pieces(self, model: ModelState) -> list[Piece]:
+        out = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                name = param_name(model, p, "the optimizer")
+                out += [optimizer_state_piece(model, name, key, value)
+                        for key, value in self.optimizer.state.get(p, {}).items() if isinstance(value, torch.Tensor)]
+        return out
+
+    def common(self, model: ModelState) -> dict:
+        names = self.group_names(model)
+        groups = [{**g, "params": n} for g, n in zip(saved_groups_without_params(self.optimizer.param_groups), names)]
+        non_tensor: dict = {}
+        for group, group_names in zip(self.optimizer.param_groups, names):
+            for name, p in zip(group_names, group["params"]):
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    if not isinstance(value, torch.Tensor):
+                        non_tensor.setdefault(name, {})[key] = value
+        return {"param_groups": groups, "non_tensor_state": non_tensor}
+
+    def loads_key(self, key: str) -> bool:
+        return key != FP32_MASTER  # DeepSpeed's fp32 master weights mean nothing to a plain optimizer
+
+    def load(self, model: ModelState, common: Optional[dict], tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        """``load_state_dict`` with indices in this optimizer's own order."""
+        if common is None:
+            return
+        non_tensor = common.get("non_tensor_state", {})
+        state, out_groups, index = {}, [], 0
+        for group, saved in zip(self.optimizer.param_groups, saved_groups_without_params(common["param_groups"])):
+            ids = []
+            for p in group["params"]:
+                name = model.canonical[id(p)]
+                entry = {**non_tensor.get(name, {}), **tensors.get(name, {})}
+                if entry:
+                    state[index] = entry
+                ids.append(index)
+                index += 1
+            out_groups.append({**saved, "params": ids})
+        self.optimizer.load_state_dict({"state": state, "param_groups": out_groups})
+
+
+def check_optimizer_groups(optimizer_groups: list[list[str]], saved_groups: list[dict]) -> None:
+    """The optimizer being loaded groups the same parameters as the one that was saved."""
+    if len(optimizer_groups) != len(saved_groups):
+        raise CheckpointError(
+            f"the optimizer has {len(optimizer_groups)} parameter groups, the checkpoint's had {len(saved_groups)}"
+        )
+    for g, (names, saved) in enumerate(zip(optimizer_groups, saved_groups)):
+        have, want = set(names), set(saved["params"])
+        if have != want:
+            extra, missing = sorted(have - want), sorted(want - have)
+            raise CheckpointError(
+                f"optimizer param group {g} differs from the checkpoint's: "
+                f"not in the checkpoint {extra[:5]}, missing from the optimizer {missing[:5]}"
+            )
+
+
+def resolve_optimizer(optimizer, engine) -> Optional[OptimizerAdapter]:
+    """The adapter of the optimizer to save/load, or ``None``.
+
+    ``optimizer`` may be a torch optimizer or a DeepSpeed engine's ``optimizer`` (its ZeRO-1/2 or
+    BF16 wrapper); with a DeepSpeedEngine as the model it defaults to the engine's.
+    """
+    from .zero import ZeroOptimizerState
+
+    if engine is not None:
+        if optimizer is not None and optimizer is not engine.optimizer:
+            raise TypeError("with a DeepSpeedEngine pass optimizer=None or engine.optimizer")
+        optimizer = engine.optimizer
+    if optimizer is None:
+        return None
+    if ZeroOptimizerState.wraps(optimizer):
+        return ZeroOptimizerState(optimizer)
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":  # its .state holds only this DP rank's part
+        raise CheckpointError(
+            "torch's ZeroRedundancyOptimizer is not supported by bigdense checkpoints; call its "
+            "consolidate_state_dict() and save a plain optimizer, or use DeepSpeed ZeRO"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):  # also DeepSpeed's ZeRO stage 0 fp32 client optimizer
+        return TorchOptimizerState(optimizer)
+    raise CheckpointError(
+        f"optimizer {type(optimizer).__name__} is not supported by bigdense checkpoints (supported: torch "
+        f"optimizers, DeepSpeed ZeRO stages 1-2 and its BF16 optimizer, stage 0 with a torch optimizer)"
+    )

@@ -1,0 +1,155 @@
+"""What a model and its optimizer state are on disk: boxes of global tensors ("pieces").
+
+`model_pieces` turns a model into boxes of global tensors using the layers' ``bd_shard_specs()``
+(parameters no layer reports are replicated over TP); `optimizer_state_piece` does the same for a
+per-parameter optimizer tensor, keyed by parameter *name* rather than by the optimizer's
+positional index, so the state finds its parameter at any layout and in either kind of optimizer.
+`unwrap` finds the plain module inside DDP, ``torch.compile`` and DeepSpeed wrappers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from ..parallel.sharding import ShardSpec
+from .format import CheckpointError
+
+
+@dataclass
+class Piece:
+    """One tensor of this rank: its box in the global tensor, and who writes it.
+
+    ``sharded``: each TP rank holds a different box. Otherwise the tensor is replicated over TP and
+    only TP rank 0's copy is written. ``dp_owned``: only this DP rank holds this box (a ZeRO
+    partition's fragment), so it writes it itself; other pieces are held alike by every DP replica
+    of its TP rank and `writers.assign_writes` shares them out among the replicas.
+    """
+
+    key: str  # "model/<name>" or "optim/<param name>/<state key>"
+    tensor: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sharded: bool
+    shard_dim: Optional[int] = None
+    dp_owned: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+
+@dataclass
+class ModelState:
+    pieces: dict[str, Piece]  # by model tensor name
+    aliases: dict[str, str]  # tied name -> name it is stored under
+    canonical: dict[int, str]  # id(parameter) -> stored name
+    non_tensor: dict[str, Any] = field(default_factory=dict)
+
+
+def unwrap(model) -> tuple[nn.Module, Any]:
+    """``(plain module, DeepSpeed engine or None)`` for a module, a DDP wrapper or a DeepSpeedEngine."""
+    engine = None
+    if type(model).__module__.startswith("deepspeed.") and isinstance(getattr(model, "module", None), nn.Module):
+        engine, model = model, model.module
+    elif not isinstance(model, nn.Module) and hasattr(model, "checkpoint_state"):
+        raise TypeError(
+            f"got a bigdense {type(model).__name__}; pass its parts: "
+            f"bd.save_checkpoint(path, **engine.checkpoint_state()), likewise bd.load_checkpoint"
+        )
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), nn.Module):  # torch.compile
+            model = model._orig_mod
+        else:
+            break
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module, a DDP wrapper or a DeepSpeedEngine, got {type(model).__name__}")
+    return model, engine
+
+
+def collect_shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
+    """``{parameter name: ShardSpec}`` for every sharded parameter, from the layers' own reports."""
+    specs = {}
+    for prefix, sub in module.named_modules():
+        report = getattr(sub, "bd_shard_specs", None)
+        if callable(report):
+            for name, spec in report().items():
+                specs[f"{prefix}.{name}" if prefix else name] = spec
+    return specs
+
+
+def _box_of(name: str, tensor: torch.Tensor, spec: Optional[ShardSpec], tp_rank: int, tp_size: int):
+    if spec is None:
+        return tuple(tensor.shape), (0,) * tensor.dim()
+    if len(spec.sizes) != tp_size or spec.rank != tp_rank:
+        raise CheckpointError(
+            f"parameter {name!r} is sharded over a TP group of {len(spec.sizes)} ranks (rank {spec.rank}), "
+            f"but the parallel context has tp={tp_size} (rank {tp_rank}); build layers after bd.init_parallel"
+        )
+    if tuple(tensor.shape) != spec.local_shape:
+        raise CheckpointError(
+            f"parameter {name!r} has local shape {tuple(tensor.shape)}, but its layer reports {spec.local_shape}"
+        )
+    offsets = [0] * tensor.dim()
+    offsets[spec.dim] = spec.start
+    return spec.global_shape, tuple(offsets)
+
+
+def model_pieces(module: nn.Module, tp_rank: int, tp_size: int) -> ModelState:
+    """This rank's model tensors (parameters and persistent buffers) as boxes of global tensors."""
+    specs = collect_shard_specs(module)
+    pieces, aliases, canonical, non_tensor = {}, {}, {}, {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            non_tensor[name] = value  # a module's get_extra_state()
+            continue
+        if id(value) in canonical:  # tied weights: stored once
+            aliases[name] = canonical[id(value)]
+            continue
+        canonical[id(value)] = name
+        spec = specs.get(name)
+        global_shape, offsets = _box_of(name, value, spec, tp_rank, tp_size)
+        pieces[name] = Piece(f"model/{name}", value.detach(), tuple(global_shape), offsets, spec is not None,
+                             None if spec is None else spec.dim)
+    return ModelState(pieces, aliases, canonical, non_tensor)
+
+
+def param_name(model: ModelState, param: torch.Tensor, where: str) -> str:
+    name = model.canonical.get(id(param))
+    if name is None:
+        raise CheckpointError(
+            f"{where} holds a parameter of shape {tuple(param.shape)} that is not in the model's state_dict"
+        )
+    return name
+
+
+def optimizer_state_piece(model: ModelState, name: str, key: str, value: torch.Tensor) -> Piece:
+    """A per-parameter optimizer tensor as a box: shaped like the parameter -> sharded like it."""
+    param_piece = model.pieces[name]
+    if value.dim() > 0 and tuple(value.shape) == param_piece.shape:
+        return Piece(f"optim/{name}/{key}", value.detach(), param_piece.global_shape, param_piece.offsets,
+                     param_piece.sharded, param_piece.shard_dim)
+    if param_piece.sharded and value.dim() > 0:
+        raise CheckpointError(
+            f"optimizer state {key!r} of sharded parameter {name!r} has shape {tuple(value.shape)}, neither the "
+            f"parameter's {param_piece.shape} nor a scalar; bigdense cannot tell how it is sharded"
+        )
+    return Piece(f"optim/{name}/{key}", value.detach(), tuple(value.shape), (0,) * value.dim(), False)
+
+
+def current_context():
+    """The default parallel context, checked against torch.distributed's world."""
+    from ..parallel.context import get_default_context
+    from ._agree import world_size
+
+    ctx = get_default_context()
+    if ctx.world_size != world_size():
+        raise CheckpointError(
+            f"torch.distributed has {world_size()} ranks but the bigdense context has {ctx.world_size}; "
+            f"call bd.init_parallel(tp=...) before saving or loading"
+        )
+    return ctx

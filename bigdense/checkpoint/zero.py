@@ -1,0 +1,112 @@
+"""DeepSpeed ZeRO-1/2 (and its BF16 optimizer) behind the `OptimizerAdapter` interface.
+
+Saving writes this DP rank's own partition and gathers nothing: each parameter's fragment in the
+flat fp32 partition (master weights and each optimizer tensor) is a contiguous range of the
+flattened parameter, stored as the boxes of that range (`format.flat_range_boxes`), so readers at
+any layout -- plain optimizers included -- assemble a parameter's state from the fragments every
+DP rank wrote. Loading goes through DeepSpeed's public per-parameter API (``safe_set_full_*``
+keeps this DP rank's fragment of each full tensor).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..train.engines import ds_compat
+from .format import flat_range_boxes
+from .optimizer import FP32_MASTER, OptimizerAdapter, saved_groups_without_params
+from .pieces import ModelState, Piece, optimizer_state_piece, param_name
+
+
+class ZeroOptimizerState(OptimizerAdapter):
+    """The parts of a DeepSpeed ZeRO-1/2 (or BF16) optimizer a checkpoint needs. Where DeepSpeed
+    keeps them has no public API: `bigdense.train.engines.ds_compat` reads it (workaround 7)."""
+
+    kind = "deepspeed"
+
+    def __init__(self, wrapper):
+        self.wrapper = wrapper
+        self.lp_groups, self.hp_flat = ds_compat.zero_layout(wrapper)
+        self.inner = wrapper.optimizer
+        self.inner_groups = self.inner.param_groups
+
+    @classmethod
+    def wraps(cls, optimizer) -> bool:
+        """Whether ``optimizer`` is a DeepSpeed ZeRO-1/2 or BF16 optimizer wrapper."""
+        return ds_compat.zero_layout(optimizer) is not None
+
+    def group_names(self, model: ModelState) -> list[list[str]]:
+        return [
+            [param_name(model, p, f"DeepSpeed param group {g}") for p in lps] for g, lps in enumerate(self.lp_groups)
+        ]
+
+    def common(self, model: ModelState) -> dict:
+        groups = [{**g, "params": n}
+                  for g, n in zip(saved_groups_without_params(self.inner_groups), self.group_names(model))]
+        return {"param_groups": groups, "loss_scaler": ds_compat.loss_scaler_state(self.wrapper)}
+    def pieces(self, model: ModelState) -> list[Piece]:
+        """This DP rank's fragments of every parameter's state (no collective), plus the scalars
+        (step counters), which every DP rank holds alike."""
+        out = []
+        for names, lps, flat in zip(self.group_names(model), self.lp_groups, self.hp_flat):
+            flat_state = self.inner.state.get(flat, {})
+            tensor_keys = sorted(k for k, v in flat_state.items() if torch.is_tensor(v) and v.shape == flat.shape)
+            scalars = {k: v for k, v in flat_state.items() if k not in tensor_keys and torch.is_tensor(v)}
+            for name, lp in zip(names, lps):
+                sources = {key: flat_state[key] for key in tensor_keys}
+                if lp.dtype != torch.float32:
+                    sources[FP32_MASTER] = flat
+                out += self._fragment_pieces(model, name, lp, sources)
+                out += [optimizer_state_piece(model, name, key, value.detach().to("cpu").clone())
+                        for key, value in scalars.items()]
+        return out
+
+    @staticmethod
+    def _fragment_pieces(model: ModelState, name: str, lp, sources: dict[str, torch.Tensor]) -> list[Piece]:
+        fragment_at = ds_compat.zero_fragment(lp)
+        if fragment_at is None:
+            return []
+        param = model.pieces[name]
+        start, numel, hp_start = fragment_at
+        out = []
+        for key, flat in sources.items():
+            fragment = flat.detach().narrow(0, hp_start, numel)
+            for off, shape, flat_start in flat_range_boxes(param.shape, start, start + numel):
+                box = fragment.narrow(0, flat_start - start, torch.Size(shape).numel()).view(shape)
+                global_off = tuple(o + g for o, g in zip(off, param.offsets))
+                out.append(Piece(f"optim/{name}/{key}", box, param.global_shape, global_off, param.sharded,
+                                 param.shard_dim, dp_owned=True))
+        return out
+
+    def load(self, model: ModelState, common: Optional[dict], tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Set masters (from saved masters, else the just-loaded weights) and optimizer state."""
+        from deepspeed.utils import (
+            lazy_init_hp_params_optimizer_state, safe_set_full_fp32_param, safe_set_full_optimizer_state,
+        )
+
+        groups = None if common is None else saved_groups_without_params(common["param_groups"])
+        for g, (lps, flat) in enumerate(zip(self.lp_groups, self.hp_flat)):
+            if groups is not None:
+                self.inner_groups[g].update(groups[g])
+            names = [model.canonical[id(p)] for p in lps]
+            saved = [tensors.get(n, {}) for n in names]
+            tensor_keys = sorted({k for s in saved for k, v in s.items() if v.dim() > 0 and k != FP32_MASTER})
+            if tensor_keys:
+                state = self.inner.state.setdefault(flat, {})
+                fresh = any(k not in state for k in tensor_keys)
+                for key in tensor_keys:
+                    state.setdefault(key, torch.zeros_like(flat))
+                for key in {k for s in saved for k, v in s.items() if v.dim() == 0}:
+                    first = next(s[key] for s in saved if key in s)
+                    state[key] = first.to(dtype=state[key].dtype if key in state else first.dtype).clone()
+                if fresh:  # DeepSpeed links per-parameter views of the state after its first step
+                    lazy_init_hp_params_optimizer_state(lps, flat, self.inner.state)
+            for name, lp, s in zip(names, lps, saved):
+                master = s.get(FP32_MASTER)
+                safe_set_full_fp32_param(lp, (master if master is not None else lp.detach()).float())
+                for key in tensor_keys:
+                    if key in s:
+                        safe_set_full_optimizer_state(lp, s[key].float(), key)
+        if common is not None:
+            ds_compat.load_loss_scaler_state(self.wrapper, common.get("loss_scaler"))
