@@ -7,7 +7,7 @@
 
 Each subpackage lists its public names in ``__all__``; this module re-exports all of them.
 """
-from . import checkpoint, layers, parallel
+from . import checkpoint, layers, parallel, plan
 from . import train
 from .checks import checks_enabled, set_checks
 from .checkpoint import *  # noqa: F401,F403

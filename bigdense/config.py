@@ -35,6 +35,9 @@ class ModelConfig:
     vocab_size: Optional[int] = None
     head_chunk_size: int = 1024  # tokens per chunk of the fused vocab-parallel cross-entropy
     init: str = "trunc_normal"  # a name from bigdense.INITIALIZERS
+    # {module path: rank} or null: build these dense layers as low-rank pairs (as written by
+    # `python -m bigdense.compress`; override syntax: 'model.low_rank={blocks.0.mlp.up:48}')
+    low_rank: Any = None
 
 
 @dataclass
@@ -119,6 +122,7 @@ class TrainerConfig:
     log_rms: bool = False  # also log the RMS of every dense layer's weights, activations, gradients
     progress_bar: bool = True
     plot: bool = True  # write loss_curve.png at the end
+    init_from: Optional[str] = None  # a checkpoint whose model weights start the run (any TP size; not resumed)
 
 
 @dataclass
@@ -131,6 +135,33 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+@dataclass
+class PlanConfig:
+    """The devices `python -m bigdense.plan` plans for (``plan.*`` keys; not part of training)."""
+
+    device_gb: float = 80.0  # memory of one device, GiB
+    devices: Optional[int] = None  # None: parallel.tp x parallel.dp (tp alone when dp is null)
+    device_type: str = "cuda"  # "cuda" or "cpu": which optimizer kernels and autocast rules apply
+    overhead_gb: Optional[float] = None  # CUDA context, NCCL, allocator slack; None: 1.0 on cuda, 0 on cpu
+    tflops: float = 400.0  # achieved bf16/fp16 matmul TFLOP/s per device, for ranking layouts
+    tflops_fp32: float = 50.0  # the same in fp32
+    tp_gbps: float = 200.0  # achieved all-reduce bus bandwidth inside a TP group, GB/s
+    dp_gbps: float = 25.0  # the same across the DP group
+    latency_us: float = 10.0  # cost of one step of a ring collective, microseconds
+    top: int = 10  # layouts printed by --suggest
+
+
+def validate_plan(plan) -> None:
+    """The ``plan.*`` keys; errors name the key."""
+    _choice("plan.device_type", plan.device_type, ("cuda", "cpu"))
+    for key in ("device_gb", "tflops", "tflops_fp32", "tp_gbps", "dp_gbps", "latency_us", "top"):
+        _positive(f"plan.{key}", getattr(plan, key))
+    if plan.devices is not None:
+        _positive("plan.devices", plan.devices)
+    if plan.overhead_gb is not None:
+        _positive("plan.overhead_gb", plan.overhead_gb, allow_zero=True)
 
 
 def run_dir_name() -> str:
@@ -207,6 +238,14 @@ def validate(cfg, world_size: int, device_type: str) -> None:
                           "the tokenizer would produce ids the embedding does not have (leave it null)")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")
+    low_rank = getattr(m, "low_rank", None)
+    if low_rank is not None and not hasattr(low_rank, "items"):
+        raise ConfigError(f"model.low_rank must be a mapping {{module path: rank}} or null, got {low_rank!r}")
+    for path, rank in (low_rank or {}).items():
+        _positive(f"model.low_rank[{path}]", rank)
+    init_from = getattr(cfg.trainer, "init_from", None)
+    if init_from and not os.path.exists(os.path.expanduser(str(init_from))):
+        raise ConfigError(f"trainer.init_from={init_from!r} does not exist")
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
 

@@ -70,12 +70,16 @@ def train(cfg) -> None:
              counts["total"] / 1e6, counts["head"] / 1e6, ctx.tp_size, ctx.dp_size, ctx.device,
              cfg.engine.kind, cfg.precision.dtype, cfg.recompute.mode)
 
-    # 4. Resume from this run directory's last complete checkpoint, if any.
+    # 4. Resume from this run directory's last complete checkpoint, if any; else start from
+    #    trainer.init_from's weights, if given.
     start_step = 0
     if tr.resume and (run.checkpoint_dir / "latest").exists():
         meta = bd.load_checkpoint(run.checkpoint_dir / "latest", **engine.checkpoint_state())
         start_step = meta.step
         log.info("resumed from %s at step %d", run.checkpoint_dir / "latest", start_step)
+    elif tr.init_from:  # e.g. a checkpoint of `python -m bigdense.compress`, to fine-tune
+        meta = bd.load_checkpoint(tr.init_from, model, load_rng=False)
+        log.info("model weights from %s (saved at step %s)", tr.init_from, meta.step)
 
     def save(step: int) -> None:
         bd.save_checkpoint(run.checkpoint_dir / f"step_{step:07d}", **engine.checkpoint_state(),

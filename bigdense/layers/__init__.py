@@ -5,9 +5,11 @@ from .embedding import VocabParallelEmbedding
 from .head import ParallelClassifierHead, tie_weights
 from .init import INITIALIZERS, Initializer
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .lowrank import low_rank, low_rank_like
 from .mlp import ParallelMLP
 
 __all__ = [
     "TensorParallelModule", "materialize", "Initializer", "INITIALIZERS", "ColumnParallelLinear", "RowParallelLinear",
-    "ParallelMLP", "VocabParallelEmbedding", "ParallelClassifierHead", "tie_weights", "ShardedDropout",
+    "ParallelMLP", "VocabParallelEmbedding", "ParallelClassifierHead", "tie_weights", "ShardedDropout", "low_rank",
+    "low_rank_like",
 ]

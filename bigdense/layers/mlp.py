@@ -27,7 +27,9 @@ class ParallelMLP(TensorParallelModule):
     Collectives: exactly one all-reduce in forward (``down``'s) and one in backward (the input's
     gradient; ``x`` enters the TP region once even though SwiGLU uses it twice). For that reason
     the column projections are applied here with ``F.linear`` on their parameters, so forward
-    hooks on ``up``/``gate`` do not fire (hooks on the MLP and on ``down`` do).
+    hooks on ``up``/``gate`` do not fire (hooks on the MLP and on ``down`` do). A projection replaced
+    by another module mapping (*, d_model) to this rank's hidden slice -- a `bd.low_rank` pair, which
+    enters the TP region itself with fewer features -- is called as a module.
 
     ``dropout`` is applied to the output (a replicated region) with `tp_dropout`: the same mask on
     every TP rank and at every TP size, redrawn identically under activation checkpointing.
@@ -70,14 +72,23 @@ class ParallelMLP(TensorParallelModule):
         return f"{self._describe_shape()}, dropout={self.dropout}, tp={self.tp_size}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x, self.d_model, "d_model, replicated on every TP rank", self.up.weight)
-        x = copy_to_tp(x, self.tp_group)
-        hidden = F.linear(x, self.up.weight, self.up.bias)
+        self._check_input(x, self.d_model, "d_model, replicated on every TP rank", next(self.parameters()))
+        plain = any(type(layer) is ColumnParallelLinear for layer in (self.up, self.gate))
+        x_tp = copy_to_tp(x, self.tp_group) if plain else None
+        hidden = self._project(self.up, x, x_tp)
         if self.gate is not None:
-            hidden = F.silu(F.linear(x, self.gate.weight, self.gate.bias)) * hidden
+            hidden = F.silu(self._project(self.gate, x, x_tp)) * hidden
         else:
             hidden = _ELEMENTWISE[self.activation](hidden)
         return tp_dropout(self.down(hidden), self.dropout, self.training)
+
+    @staticmethod
+    def _project(layer: nn.Module, x: torch.Tensor, x_tp) -> torch.Tensor:
+        # A column projection reads the TP region's one entry point; a replacement (a `bd.low_rank`
+        # pair, which enters the region itself, with fewer features) is called as a module.
+        if type(layer) is ColumnParallelLinear:
+            return F.linear(x_tp, layer.weight, layer.bias)
+        return layer(x)
 
     @torch.no_grad()
     def to_dense(self) -> "DenseMLP":

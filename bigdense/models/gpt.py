@@ -14,7 +14,7 @@ the loss statistics'; the backward mirrors them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
@@ -48,6 +48,18 @@ class GPTConfig:
     tie_embeddings: bool = True
     head_chunk_size: Optional[int] = None  # None: the head picks a chunk from a memory budget
     init: str = "trunc_normal"
+    # {module path: rank}: these dense layers are built as `bd.low_rank` pairs of that rank (the
+    # structure of a checkpoint written by `python -m bigdense.compress`).
+    low_rank: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, model_cfg, vocab_size: int) -> "GPTConfig":
+        """From the ``model`` config group (`bigdense.config.ModelConfig`): every key of the same
+        name; ``vocab_size`` is ``model.vocab_size`` or, when that is null, the tokenizer's."""
+        keys = {f.name for f in fields(cls)} - {"vocab_size"}
+        values = {k: getattr(model_cfg, k) for k in keys if hasattr(model_cfg, k)}
+        values["low_rank"] = dict(values.get("low_rank") or {})
+        return cls(vocab_size=getattr(model_cfg, "vocab_size", None) or vocab_size, **values)
 
 
 class ParallelSelfAttention(nn.Module):
@@ -133,6 +145,18 @@ class GPT(nn.Module):
         )
         if cfg.tie_embeddings:
             tie_weights(self.tok_emb, self.head)
+        for path, rank in cfg.low_rank.items():
+            self._make_low_rank(path, int(rank))
+
+    def _make_low_rank(self, path: str, rank: int) -> None:
+        from ..layers.lowrank import low_rank_like
+
+        try:
+            layer = self.get_submodule(path)
+        except AttributeError:
+            raise ValueError(f"GPT: model.low_rank names {path!r}, which is not a module of this model") from None
+        parent, _, child = path.rpartition(".")
+        setattr(self.get_submodule(parent), child, low_rank_like(layer, rank))
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """The final normalised hidden states, (B, S, d_model), replicated over TP."""

@@ -34,8 +34,9 @@ def mix_seed(*values: int) -> int:
 
 
 def draw_seed() -> int:
-    """One seed from torch's default CPU generator, so ``torch.manual_seed`` decides it."""
-    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+    """One seed from torch's default CPU generator, so ``torch.manual_seed`` decides it (also inside
+    ``with torch.device("meta")``, so a model built there draws the seeds an eager build draws)."""
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu").item())
 
 
 FillFn = Callable[[torch.Tensor, torch.Generator], None]

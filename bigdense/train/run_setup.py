@@ -73,19 +73,6 @@ def build_gpt(model_cfg, vocab_size: int, ctx: ParallelContext):
     """The reference GPT from the ``model`` config group, sharded over ``ctx``'s TP group."""
     from ..models import GPT, GPTConfig
 
-    cfg = GPTConfig(
-        vocab_size=model_cfg.vocab_size or vocab_size,
-        d_model=model_cfg.d_model,
-        n_layers=model_cfg.n_layers,
-        n_heads=model_cfg.n_heads,
-        d_hidden=model_cfg.d_hidden,
-        max_seq_len=model_cfg.max_seq_len,
-        dropout=model_cfg.dropout,
-        activation=model_cfg.activation,
-        bias=model_cfg.bias,
-        tie_embeddings=model_cfg.tie_embeddings,
-        head_chunk_size=model_cfg.head_chunk_size,
-        init=model_cfg.init,
-    )
+    cfg = GPTConfig.from_config(model_cfg, vocab_size)
     with torch.device(ctx.device):
         return GPT(cfg, tp_group=ctx.tp_group)

@@ -1,0 +1,153 @@
+"""Low-rank compression of dense layers: ``W (out, in) ~= U_r S_r V_r^T`` as two thinner layers.
+
+    pair = bd.low_rank(layer, energy=0.9)      # nn.Sequential(first, second): in -> r -> out
+
+``first`` computes ``x V_r S_r^(1/2)`` and ``second`` multiplies by ``S_r^(1/2) U_r^T`` and adds the
+original bias; the product of their weights is the best rank-r approximation of ``W``
+(Eckart-Young), up to the randomised SVD's stated error (`bigdense.layers.svd`). Sharding keeps the
+original layer's interface and never adds communication:
+
+===========================  ==========================================  ===========================
+original                     first (in -> r)      second (r -> out)       collectives (fwd / bwd)
+===========================  ==========================================  ===========================
+``nn.Linear``                ``nn.Linear``        ``nn.Linear``           none
+``ColumnParallelLinear``     ``nn.Linear``,       ``ColumnParallelLinear``  - / all-reduce of r
+                             replicated           (rows of U as W's rows)   features, not ``in``
+``RowParallelLinear``        ``RowParallelLinear`` ``nn.Linear``,          all-reduce of r, not
+                             (V's rows as W's     replicated, bias          ``out`` / -
+                             columns)
+===========================  ==========================================  ===========================
+
+The SVD runs on the shards where they are (the column layer's rows of ``W``, the row layer's rows
+of ``W^T``): no rank holds the whole matrix. ``energy=e`` keeps the smallest r whose squared
+singular values reach ``e`` of ``||W||_F^2``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .head import ParallelClassifierHead
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .svd import ShardedSVD, sharded_svd
+
+
+def _describe(layer: nn.Module) -> str:
+    return f"{type(layer).__name__}(in_features={layer.in_features}, out_features={layer.out_features})"
+
+
+def _check_request(layer: nn.Module, rank, energy) -> None:
+    if not isinstance(layer, (nn.Linear, ColumnParallelLinear, RowParallelLinear)) or isinstance(
+            layer, ParallelClassifierHead):
+        raise TypeError(f"low_rank: expected an nn.Linear, ColumnParallelLinear or RowParallelLinear, "
+                        f"got {type(layer).__name__}")
+    if (rank is None) == (energy is None):
+        raise ValueError(f"low_rank({_describe(layer)}): give exactly one of rank= and energy=, "
+                         f"got rank={rank!r}, energy={energy!r}")
+    full = min(layer.in_features, layer.out_features)
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= full):
+        raise ValueError(f"low_rank({_describe(layer)}): rank must be an integer in [1, {full}] "
+                         f"(min(in_features, out_features)), got {rank!r}")
+    if energy is not None:
+        check_energy(energy, f"low_rank({_describe(layer)})")
+
+
+def check_energy(energy, where: str) -> None:
+    if isinstance(energy, bool) or not (isinstance(energy, (int, float)) and 0 < energy <= 1):
+        raise ValueError(f"{where}: energy must be in (0, 1], got {energy!r}")
+
+
+def _svd(layer: nn.Module, rank, energy, oversample: int, power_iters: int, seed: int) -> tuple[ShardedSVD, int]:
+    """The SVD of the weight, sharded by rows (W for a column layer, W^T otherwise), and the rank."""
+    group = getattr(layer, "tp_group", None)
+    rows = layer.weight.detach() if not isinstance(layer, RowParallelLinear) else layer.weight.detach().t()
+    full = min(layer.in_features, layer.out_features)
+    guess = rank if rank is not None else min(full, 64)
+    while True:
+        svd = sharded_svd(rows, guess, group, oversample=oversample, power_iters=power_iters, seed=seed)
+        if rank is not None:
+            return svd, rank
+        chosen = svd.rank_for_energy(float(energy))
+        if chosen is not None and (chosen <= guess or len(svd.S) >= full):
+            return svd, min(chosen, full)
+        if len(svd.S) >= full:  # every singular value is in: rounding kept the sum short of e
+            return svd, full
+        guess = min(full, 2 * guess)
+
+
+@torch.no_grad()
+def low_rank(
+    layer: nn.Module,
+    rank: Optional[int] = None,
+    energy: Optional[float] = None,
+    *,
+    oversample: int = 10,
+    power_iters: int = 2,
+    seed: int = 0,
+) -> nn.Sequential:
+    """``nn.Sequential(first, second)`` whose product is the best rank-r approximation of ``layer``.
+
+    Give ``rank`` (1 .. min(in, out)) or ``energy`` in (0, 1]. ``layer``: ``nn.Linear``,
+    `ColumnParallelLinear` (keeps ``gather_output``) or `RowParallelLinear` (keeps
+    ``input_is_parallel``); the pair runs on the same TP group, same device and dtype, bias on
+    ``second``. Collective for a parallel layer (every TP rank calls it; ``seed`` must agree).
+    ``oversample``/``power_iters``/``seed``: the randomised SVD's (`bigdense.layers.svd.sharded_svd`).
+    The chosen rank is ``pair.rank``; ``pair.singular_values`` are the SVD's (all it computed).
+    """
+    _check_request(layer, rank, energy)
+    svd, r = _svd(layer, rank, energy, oversample, power_iters, seed)
+    root = svd.S[:r].sqrt()
+    left = svd.U_local[:, :r] * root  # rows of W (or of W^T) times S^(1/2)
+    right = svd.V[:, :r] * root
+    w, bias = layer.weight, layer.bias
+    kw = dict(device=w.device, dtype=w.dtype)
+    if isinstance(layer, ColumnParallelLinear):
+        first = nn.Linear(layer.in_features, r, bias=False, **kw)
+        second = _empty(ColumnParallelLinear, r, layer.out_features, bias is not None, layer,
+                        gather_output=layer.gather_output)
+        first.weight.copy_(right.t())
+        second.weight.copy_(left)
+    elif isinstance(layer, RowParallelLinear):
+        first = _empty(RowParallelLinear, layer.in_features, r, False, layer,
+                       input_is_parallel=layer.input_is_parallel)
+        second = nn.Linear(r, layer.out_features, bias=bias is not None, **kw)
+        first.weight.copy_(left.t())
+        second.weight.copy_(right)
+    else:
+        first = nn.Linear(layer.in_features, r, bias=False, **kw)
+        second = nn.Linear(r, layer.out_features, bias=bias is not None, **kw)
+        first.weight.copy_(right.t())
+        second.weight.copy_(left)
+    if bias is not None:
+        second.bias.copy_(bias)
+    pair = nn.Sequential(first, second)
+    pair.rank, pair.singular_values = r, svd.S.detach().cpu()
+    return pair
+
+
+def _empty(cls, in_features: int, out_features: int, bias: bool, like: nn.Module, **options):
+    """A parallel layer on ``like``'s group, device and dtype, allocated but not initialised."""
+    layer = cls(in_features, out_features, bias=bias, tp_group=like.tp_group, device="meta",
+                dtype=like.weight.dtype, **options)
+    return layer.to_empty(device=like.weight.device)
+
+
+def low_rank_like(layer: nn.Module, rank: int) -> nn.Sequential:
+    """The pair `low_rank` would return at this ``rank``, freshly initialised (no SVD): the structure
+    a compressed checkpoint loads into. Not a collective."""
+    _check_request(layer, rank, None)
+    w = layer.weight
+    kw = dict(device=w.device, dtype=w.dtype)
+    has_bias = layer.bias is not None
+    if isinstance(layer, ColumnParallelLinear):
+        return nn.Sequential(nn.Linear(layer.in_features, rank, bias=False, **kw),
+                             ColumnParallelLinear(rank, layer.out_features, bias=has_bias, tp_group=layer.tp_group,
+                                                  gather_output=layer.gather_output, **kw))
+    if isinstance(layer, RowParallelLinear):
+        return nn.Sequential(RowParallelLinear(layer.in_features, rank, bias=False, tp_group=layer.tp_group,
+                                               input_is_parallel=layer.input_is_parallel, **kw),
+                             nn.Linear(rank, layer.out_features, bias=has_bias, **kw))
+    return nn.Sequential(nn.Linear(layer.in_features, rank, bias=False, **kw),
+                         nn.Linear(rank, layer.out_features, bias=has_bias, **kw))

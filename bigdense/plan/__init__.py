@@ -1,0 +1,6 @@
+"""The memory planner: what layout fits a model on given devices (``python -m bigdense.plan``)."""
+from .count import ParamEntry, count_per_rank, param_entries
+from .estimate import Estimate, estimate
+from .layout import Layout
+
+__all__ = ["estimate", "Estimate", "Layout", "ParamEntry", "param_entries", "count_per_rank"]

@@ -1,0 +1,136 @@
+"""From the training job's Hydra config to a `Layout`, an `Estimate`, and ranked layouts that fit.
+
+The config is checked by the training job's own `bigdense.config.validate` (and the data group's
+checks), for the planned number of devices, so the planner refuses exactly what the job would.
+Candidates of `suggest` are checked the same way before they are estimated.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from ..config import ConfigError, validate, validate_plan
+from .estimate import GiB, Estimate, estimate
+from .layout import Layout
+
+
+def planned_devices(cfg, plan) -> int:
+    if plan.devices is not None:
+        return int(plan.devices)
+    tp, dp = cfg.parallel.tp, cfg.parallel.dp
+    return int(tp or 1) * int(dp or 1)
+
+
+def check(cfg, plan) -> int:
+    """Validate ``cfg`` as `launch/train.py` would on ``plan.devices`` processes; return that count."""
+    from ..data.prepare import _validate as validate_data
+
+    validate_plan(plan)
+    devices = planned_devices(cfg, plan)
+    # The bf16 capability check reads the local GPU; a plan for remote GPUs cannot make it.
+    local = plan.device_type if (plan.device_type == "cpu" or torch.cuda.is_available()) else "remote"
+    validate(cfg, devices, local)
+    validate_data(cfg.data)
+    return devices
+
+
+def layout_of(cfg, plan, devices: int) -> Layout:
+    tp = cfg.parallel.tp if cfg.parallel.tp is not None else devices
+    return Layout(
+        tp=int(tp), dp=int(cfg.parallel.dp if cfg.parallel.dp is not None else devices // tp),
+        precision=str(cfg.precision.dtype), engine=str(cfg.engine.kind), zero_stage=int(cfg.engine.zero_stage),
+        micro_batch_size=int(cfg.data.micro_batch_size), grad_accum=int(cfg.data.grad_accum),
+        recompute=str(cfg.recompute.mode), recompute_every=int(cfg.recompute.every),
+        sequence_parallel=bool(getattr(cfg.parallel, "sequence_parallel", False)),
+        device_type=str(plan.device_type),
+    )
+
+
+def meta_gpt(cfg):
+    """The reference GPT of ``cfg.model`` on the meta device (global shapes, nothing allocated)."""
+    from ..models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return GPT(GPTConfig.from_config(cfg.model, int(cfg.data.vocab_size)))
+
+
+def _overhead_gb(plan) -> float:
+    if plan.overhead_gb is not None:
+        return float(plan.overhead_gb)
+    return 1.0 if plan.device_type == "cuda" else 0.0
+
+
+def step_time(est: Estimate, model_shape, plan) -> float:
+    """A rough step time for ranking layouts: matmul FLOPs at ``plan.tflops`` plus ring all-reduces
+    (TP: the residual stream, 4 per block per micro-batch plus recompute's, each ring step paying
+    ``plan.latency_us``, so fewer, larger micro-batches win ties; DP: the gradients)."""
+    lay = est.layout
+    rate = (plan.tflops_fp32 if lay.precision == "fp32" else plan.tflops) * 1e12
+    compute = est.flops_per_step / rate
+    stream = lay.micro_batch_size * model_shape.seq_len * model_shape.d_model * lay.compute_bytes
+    per_block = 4 + {"none": 0, "mlp": 1, "full": 2, "every_k": 2 / lay.recompute_every}[lay.recompute]
+    tp_bytes = (per_block * model_shape.n_layers + 2) * stream * lay.grad_accum
+    tp_calls = (per_block * model_shape.n_layers + 2) * lay.grad_accum * 2 * (lay.tp - 1)  # ring steps
+    tp_time = 2 * (lay.tp - 1) / lay.tp * tp_bytes / (plan.tp_gbps * 1e9) + tp_calls * plan.latency_us * 1e-6
+    dp_time = 2 * (lay.dp - 1) / lay.dp * est.params_per_rank * 4 / (plan.dp_gbps * 1e9)
+    return compute + tp_time + dp_time
+
+
+def estimate_config(cfg, plan, layout: Optional[Layout] = None, model=None) -> Estimate:
+    """The estimate of the job ``cfg`` describes (or of ``layout`` over the same model and data)."""
+    from .gpt import GPTShape
+
+    devices = check(cfg, plan)
+    layout = layout or layout_of(cfg, plan, devices)
+    model = model if model is not None else meta_gpt(cfg)
+    est = estimate(model, layout=layout, seq_len=int(cfg.data.seq_len), overhead_gb=_overhead_gb(plan))
+    est.step_time_s = step_time(est, GPTShape.from_model(model, int(cfg.data.seq_len)), plan)
+    return est
+
+
+def _with_layout(cfg, layout: Layout):
+    out = copy.deepcopy(cfg)
+    for key, value in layout.config_values().items():
+        OmegaConf.update(out, key, value, merge=False)
+    return out
+
+
+def candidates(cfg, devices: int, base: Layout) -> list[Layout]:
+    """Layouts of the same devices and global batch: tp x dp, micro-batch, recompute, ZeRO, SP."""
+    global_batch = base.micro_batch_size * base.grad_accum * base.dp
+    sp_options = (False, True) if hasattr(cfg.parallel, "sequence_parallel") else (False,)
+    out = []
+    for tp in [t for t in range(1, devices + 1) if devices % t == 0]:
+        dp = devices // tp
+        if global_batch % dp:
+            continue
+        per_rank = global_batch // dp
+        engines = [("ddp", 0)] + ([("deepspeed", 1), ("deepspeed", 2)] if dp > 1 else [])
+        for micro in [m for m in range(1, per_rank + 1) if per_rank % m == 0]:
+            for mode in ("none", "mlp", "full"):
+                for engine, zero in engines:
+                    for sp in sp_options if tp > 1 else (False,):
+                        out.append(base.with_(tp=tp, dp=dp, micro_batch_size=micro, grad_accum=per_rank // micro,
+                                              recompute=mode, engine=engine, zero_stage=zero, sequence_parallel=sp))
+    return out
+
+
+def suggest(cfg, plan) -> list[Estimate]:
+    """The layouts that fit ``plan.device_gb``, fastest (estimated) first; refused ones are skipped."""
+    validate_plan(plan)
+    devices = planned_devices(cfg, plan)  # the config's own layout need not be valid, only the candidates
+    base = layout_of(cfg, plan, devices)
+    model = meta_gpt(cfg)
+    fitting = []
+    for layout in candidates(cfg, devices, base):
+        try:
+            est = estimate_config(_with_layout(cfg, layout), plan, layout, model)
+        except ConfigError:
+            continue
+        if est.fits(plan.device_gb * GiB):
+            fitting.append(est)
+    fitting.sort(key=lambda e: (e.step_time_s, e.total_bytes))
+    return fitting

@@ -1,0 +1,92 @@
+"""Exact parameter counts of a module at any TP size, from its layers' shard declarations or a plan.
+
+Every parameter becomes a `ParamEntry`: its global shape and the dimension TP splits it along
+(``None``: replicated on every TP rank). bigdense layers declare theirs (``_shards``, the same
+declarations checkpoints read); plain ``nn.Linear``/``nn.Embedding`` modules get theirs from the
+plan `bigdense.parallelize` would apply (`plan_parallelism`), so the count is of the model
+``parallelize(model, plan)`` would build. Nothing is allocated: meta-device modules work. A weight
+shared by several modules (tied embedding and head) is one entry.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch.nn as nn
+
+from ..layers.base import TensorParallelModule
+from ..parallel.sharding import shard_sizes
+
+# How `parallelize` splits the parameters of each style: {style: {parameter: split dim or None}}.
+_STYLE_SPLITS = {
+    "column": {"weight": 0, "bias": 0},
+    "head": {"weight": 0, "bias": 0},
+    "row": {"weight": 1, "bias": None},
+    "vocab": {"weight": 0},
+}
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    name: str
+    global_shape: tuple[int, ...]
+    split_dim: Optional[int]  # None: replicated over TP
+    trainable: bool = True
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.global_shape)
+
+    def local_numel(self, tp: int, rank: int) -> int:
+        """Elements on TP rank ``rank`` (the balanced split every bigdense layer uses)."""
+        if self.split_dim is None:
+            return self.numel
+        shape = list(self.global_shape)
+        shape[self.split_dim] = shard_sizes(shape[self.split_dim], tp)[rank]
+        return math.prod(shape)
+
+
+def _planned_splits(model: nn.Module, plan) -> dict[str, Optional[int]]:
+    """``{parameter name: split dim}`` for plain modules a parallelize plan converts."""
+    from ..parallelize import plan_parallelism
+
+    splits = {}
+    for module_name, style in plan_parallelism(model, plan).items():
+        module = model.get_submodule(module_name)
+        prefix = f"{module_name}." if module_name else ""
+        for pname, p in module.named_parameters(recurse=False):
+            if p is not None:
+                splits[prefix + pname] = _STYLE_SPLITS[style].get(pname)
+    return splits
+
+
+def param_entries(model: nn.Module, plan: Optional[Mapping] = None) -> list[ParamEntry]:
+    """One entry per distinct parameter of ``model``, with its global shape and TP split.
+
+    ``plan``: a `bigdense.parallelize` plan for the plain layers; ``None`` means the automatic plan
+    for a plain model, and the model as built when it already holds bigdense layers.
+    """
+    has_tp_layers = any(isinstance(m, TensorParallelModule) for m in model.modules())
+    planned = _planned_splits(model, plan) if (plan is not None or not has_tp_layers) else {}
+    entries, seen = [], set()
+    for module_name, module in model.named_modules():
+        declared = module._shards if isinstance(module, TensorParallelModule) else {}
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            full = f"{module_name}.{pname}" if module_name else pname
+            if pname in declared:
+                shape, dim = declared[pname]
+            else:
+                shape, dim = tuple(p.shape), planned.get(full)
+            entries.append(ParamEntry(full, tuple(shape), dim, p.requires_grad))
+    return entries
+
+
+def count_per_rank(entries, tp: int, trainable_only: bool = False) -> list[int]:
+    """Elements held by each TP rank, in rank order."""
+    return [
+        sum(e.local_numel(tp, r) for e in entries if e.trainable or not trainable_only) for r in range(tp)
+    ]

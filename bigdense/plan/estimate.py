@@ -1,0 +1,167 @@
+"""`estimate`: parameters, memory per rank by category, the peak and FLOPs of one training step.
+
+The peak is the largest of the moments a step passes through, each a sum of what is alive then
+(steady state, after the first step, with the engines of `bigdense.train.engines`):
+
+* ``forward`` -- the end of the forward, inside the loss head: parameters, optimizer state,
+  gradients that persist between steps (DDP buckets when dp > 1, accumulation over micro-batches,
+  ZeRO partitions), every stored activation, the head's gradients (the fused cross-entropy forms
+  them in the forward) and one chunk of logits;
+* ``backward`` -- the first block's backward: the same, the head's gradients, and the block's
+  gradients of activations (and its recomputed activations);
+* ``backward_end`` -- every gradient, plus the embedding's dense gradient before it is added to a
+  tied head's;
+* ``optimizer`` -- every gradient and the optimizer's temporaries (torch's single-tensor AdamW on
+  CPU: two of the largest parameter; the foreach one on GPUs: one of all parameters).
+
+``overhead`` (CUDA context, communication library, allocator slack) is added on top of the peak
+for the total held against the device.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, Optional
+
+import torch.nn as nn
+
+from .count import count_per_rank, param_entries
+from .gpt import GPTMemory, GPTShape
+from .layout import Layout
+
+GiB = 2**30
+DS_REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
+
+
+@dataclass
+class Estimate:
+    """Per-rank figures of one layout (the largest rank's, shards being balanced)."""
+
+    layout: Layout
+    total_params: int  # unsharded, each tied weight once
+    params_per_rank: int
+    bytes_per_rank: dict  # category -> bytes
+    phases: dict = field(default_factory=dict)  # moment of the step -> bytes alive
+    peak_bytes: int = 0  # tensors alive at the worst moment (what max_memory_allocated reports)
+    peak_phase: str = ""
+    overhead_bytes: int = 0
+    flops_per_step: float = 0.0  # per rank
+    activations_per_layer: list = field(default_factory=list)  # [(name, bytes)]
+    step_time_s: Optional[float] = None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_bytes + self.overhead_bytes
+
+    def fits(self, device_bytes: float) -> bool:
+        return self.total_bytes <= device_bytes
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["layout"] = asdict(self.layout)
+        out["total_bytes"] = self.total_bytes
+        out["overrides"] = self.layout.overrides()
+        return out
+
+    def table(self, device_bytes: Optional[float] = None) -> str:
+        """The per-rank memory table printed by ``python -m bigdense.plan``."""
+        rows = [("parameters", f"{self.params_per_rank:,} of {self.total_params:,}", "")]
+        rows += [(k, f"{v / GiB:9.3f} GiB", "") for k, v in self.bytes_per_rank.items()]
+        rows += [(f"peak ({self.peak_phase})", f"{self.peak_bytes / GiB:9.3f} GiB", ""),
+                 ("total (peak + overhead)", f"{self.total_bytes / GiB:9.3f} GiB",
+                  "" if device_bytes is None else f"of {device_bytes / GiB:.1f} GiB: "
+                  + ("fits" if self.fits(device_bytes) else "DOES NOT FIT")),
+                 ("FLOPs per step per rank", f"{self.flops_per_step:.3e}", "")]
+        width = max(len(r[0]) for r in rows)
+        lines = [f"per rank, {' '.join(self.layout.overrides())}"]
+        lines += [f"  {name:<{width}}  {value}  {note}".rstrip() for name, value, note in rows]
+        if self.activations_per_layer:
+            lines.append("  activations by layer: " + ", ".join(
+                f"{n} {b / 2**20:.1f} MiB" for n, b in self.activations_per_layer))
+        return "\n".join(lines)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+
+def _state_bytes(params: int, trainable: int, largest: int, layout: Layout) -> dict:
+    """Parameters, gradients, optimizer state (AdamW) and communication buckets, per rank."""
+    dp, zero, pb = layout.dp, layout.zero, layout.param_bytes
+    grads = trainable * pb
+    optimizer = 8 * trainable  # AdamW's two fp32 moments
+    if layout.engine == "deepspeed":
+        optimizer += 4 * trainable  # ZeRO's fp32 master partition (also in fp32 runs)
+        if zero >= 1:
+            optimizer /= dp
+        if zero >= 2:
+            grads = grads / dp
+    buckets = 0
+    if layout.engine == "deepspeed" and zero == 2:
+        buckets = min(DS_REDUCE_BUCKET, trainable) * pb  # contiguous_gradients' reduce buffer
+    temporaries = (2 * largest * 4) if layout.device_type == "cpu" else trainable * 4
+    return {"params": params * pb, "grads": grads, "optimizer": optimizer, "buckets": buckets,
+            "optimizer_temporaries": temporaries}
+
+
+def estimate(
+    model: nn.Module,
+    plan: Optional[Mapping] = None,
+    *,
+    tp: int = 1,
+    dp: int = 1,
+    layout: Optional[Layout] = None,
+    seq_len: Optional[int] = None,
+    overhead_gb: float = 0.0,
+    **layout_options,
+) -> Estimate:
+    """Parameters and memory per rank of ``model`` trained under a layout.
+
+    ``model``: any ``nn.Module`` (on the meta device or not); its bigdense layers count as
+    declared, and plain ``nn.Linear``/``nn.Embedding`` layers as ``bd.parallelize(model, plan)``
+    would shard them (``plan=None``: its automatic plan, for a model without bigdense layers).
+    ``tp``/``dp`` and ``layout_options`` (the fields of `Layout`: ``precision``, ``engine``,
+    ``zero_stage``, ``micro_batch_size``, ``grad_accum``, ``recompute``, ``sequence_parallel``,
+    ``device_type``) describe the step, or pass a whole ``layout``. For the reference GPT
+    (`bigdense.models.GPT`) with ``seq_len`` the activations, the loss head's working set and the
+    FLOPs are estimated too; for other modules only parameters, gradients and optimizer state.
+    """
+    layout = layout or Layout(tp=tp, dp=dp, **layout_options)
+    entries = param_entries(model, plan)
+    per_rank = count_per_rank(entries, layout.tp)
+    trainable = max(count_per_rank(entries, layout.tp, trainable_only=True))
+    largest = max((e.local_numel(layout.tp, 0) for e in entries), default=0)
+    params = max(per_rank)
+    states = _state_bytes(params, trainable, largest, layout)
+    cats = {k: states[k] for k in ("params", "grads", "optimizer")}
+    est = Estimate(layout, sum(e.numel for e in entries), params, cats, overhead_bytes=int(overhead_gb * GiB))
+
+    from ..models.gpt import GPT
+
+    gpt = GPTMemory(GPTShape.from_model(model, seq_len), layout) if isinstance(model, GPT) and seq_len else None
+    base = states["params"] + states["optimizer"] + states["buckets"]
+    persistent_grads = states["grads"] if (
+        layout.grad_accum > 1 or layout.engine == "deepspeed" or layout.dp > 1) else 0
+    if gpt is None:
+        est.phases = {"optimizer": base + states["grads"] + states["optimizer_temporaries"]}
+    else:
+        acts, head = gpt.stored_bytes(), gpt.head_bytes()
+        tied_emb = gpt.shape.vocab_size * gpt.shape.d_model / layout.tp * 4 if gpt.shape.tie_embeddings else 0
+        est.phases = {
+            "forward": base + persistent_grads + acts + head["grads"] + head["chunk"],
+            "backward": base + max(persistent_grads, head["grads"]) + acts + gpt.backward_block_bytes(),
+            "backward_end": base + states["grads"] + tied_emb,
+            "optimizer": base + states["grads"] + states["optimizer_temporaries"],
+        }
+        cats["activations"] = acts
+        cats["head_loss"] = head["grads"] + head["chunk"]
+        est.activations_per_layer = [(n, int(b)) for n, b in gpt.per_layer()]
+        est.flops_per_step = gpt.flops_per_micro_batch() * layout.grad_accum
+        cats["comm_buffers"] = states["buckets"] + gpt.u * gpt.c  # + the TP all-reduce's output copy
+    if "comm_buffers" not in cats:
+        cats["comm_buffers"] = states["buckets"]
+    cats["overhead"] = est.overhead_bytes
+    est.bytes_per_rank = {k: int(v) for k, v in cats.items()}
+    est.peak_phase, peak = max(est.phases.items(), key=lambda kv: kv[1])
+    est.peak_bytes = int(peak)
+    est.phases = {k: int(v) for k, v in est.phases.items()}
+    return est

@@ -1,0 +1,191 @@
+"""Activation and loss-head memory of the reference GPT (`bigdense.models.GPT`), per TP rank.
+
+Counted from what autograd keeps for the backward, tensor by tensor, following the code of
+`bigdense.models.gpt`, `ParallelMLP`, `tp_dropout` and the fused vocab-parallel cross-entropy
+(`bigdense.layers.vocab_ce`). Units: ``u = b*s*d`` elements (one residual-stream tensor of a
+micro-batch), ``hid = b*s*d_hidden``, ``P2 = b*(heads/tp)*s*s`` (one rank's attention matrix).
+
+Per block, what stays for the backward:
+
+* LayerNorm outputs, read by the next matmul: ``u`` each at 4 bytes, or under autocast the
+  matmul's cast copy at the compute width (the fp32 output is then freed).
+* ``qkv``: ``3u/tp``; the attention output before ``out``: ``u/tp`` (computed widths).
+* attention dropout > 0 (explicit softmax): softmax output, its dropout mask (1 byte), the dropped
+  probabilities (``P2`` each); CUDA autocast runs softmax in fp32, so there the probabilities are
+  4 bytes and ``probs @ v`` keeps a cast copy. Dropout 0: SDPA keeps only its output and
+  log-sum-exp, no ``s x s`` matrix.
+* the residual stream after attention and after the MLP (``u`` at 4 bytes each: autocast adds
+  compute-width branches into the fp32 stream), dropout masks (``u`` at 1 byte) after each branch.
+* MLP: GELU keeps its input and the down projection its output (``2 hid/tp``); ReLU keeps only
+  its output (``hid/tp``); SwiGLU keeps gate, up, ``silu(gate)`` and their product (``4 hid/tp``).
+* autocast's weight cache: a compute-width copy of each weight, kept for the backward.
+
+Sequence parallelism divides the replicated-region terms (norm outputs, residuals, masks) by tp.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .layout import Layout
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_hidden: int
+    seq_len: int
+    activation: str = "gelu"
+    dropout: float = 0.0
+    attn_dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = True
+    head_chunk_size: int = 1024
+
+    @classmethod
+    def from_model(cls, model, seq_len: int) -> "GPTShape":
+        c = model.cfg
+        return cls(
+            vocab_size=c.vocab_size, d_model=c.d_model, n_layers=c.n_layers, n_heads=c.n_heads,
+            d_hidden=c.d_hidden or 4 * c.d_model, seq_len=seq_len, activation=c.activation, dropout=c.dropout,
+            attn_dropout=getattr(c, "attn_dropout", c.dropout), bias=c.bias, tie_embeddings=c.tie_embeddings,
+            head_chunk_size=c.head_chunk_size or _auto_chunk(c.vocab_size, 1),
+        )
+
+    def block_weights(self) -> int:
+        mlp_mats = 3 if self.activation == "swiglu" else 2
+        return 4 * self.d_model * self.d_model + mlp_mats * self.d_model * self.d_hidden
+
+
+def _auto_chunk(vocab: int, tp: int) -> int:
+    from ..layers.vocab_ce import auto_chunk_size
+
+    return auto_chunk_size(math.ceil(vocab / tp))
+
+
+class GPTMemory:
+    """Bytes per TP rank of one micro-batch's activations and of the loss head, for a `Layout`."""
+
+    def __init__(self, shape: GPTShape, layout: Layout):
+        self.shape, self.layout = shape, layout
+        b, s, d, tp = layout.micro_batch_size, shape.seq_len, shape.d_model, layout.tp
+        self.u = b * s * d
+        self.hid = b * s * shape.d_hidden
+        self.p2 = b * (shape.n_heads // tp) * s * s
+        self.tokens = b * s
+        self.c = layout.compute_bytes
+        # Width of the residual stream and of norm outputs: fp32 under autocast, else the compute width.
+        self.f = 4 if layout.autocast or layout.precision == "fp32" else self.c
+        self.rep = tp if layout.sequence_parallel else 1  # replicated-region terms are split by SP
+
+    # ---- pieces of one block ----
+    def _norm_out(self, copies: int = 1) -> float:
+        return copies * self.u * (self.c if self.layout.autocast else self.f) / self.rep
+
+    def _mask(self) -> float:
+        return self.u / self.rep if self.shape.dropout > 0 else 0
+
+    def attention_bytes(self) -> float:
+        tp, c = self.layout.tp, self.c
+        out = self._norm_out() + 3 * self.u / tp * c + self.u / tp * c
+        if self.shape.attn_dropout > 0:
+            fp32_softmax = self.layout.autocast and self.layout.device_type == "cuda"
+            sm = 4 if fp32_softmax else c
+            out += self.p2 * (sm + 1 + sm + (c if fp32_softmax else 0))
+        else:
+            out += self.tokens * (self.shape.n_heads // tp) * 4  # SDPA's log-sum-exp
+        return out + self._mask() + self.u * self.f / self.rep  # mask after `out`, residual
+
+    def mlp_bytes(self) -> float:
+        tp, c = self.layout.tp, self.c
+        kept = {"gelu": 2, "relu": 1, "swiglu": 4}[self.shape.activation]
+        copies = 2 if (self.shape.activation == "swiglu" and self.layout.autocast) else 1
+        return self._norm_out(copies) + kept * self.hid / tp * c + self._mask() + self.u * self.f / self.rep
+
+    def weight_cache_bytes(self) -> float:
+        """autocast's compute-width copies of one block's weights (and biases)."""
+        if not self.layout.autocast:
+            return 0
+        d, h, tp = self.shape.d_model, self.shape.d_hidden, self.layout.tp
+        biases = (4 * d + 2 * h) if self.shape.bias else 0
+        return (self.shape.block_weights() + biases) / tp * self.c
+
+    def block_bytes(self) -> float:
+        return self.attention_bytes() + self.mlp_bytes()
+
+    def _recomputed(self, index: int) -> bool:
+        mode = self.layout.recompute
+        return mode == "full" or (mode == "every_k" and index % self.layout.recompute_every == 0)
+
+    def stored_block_bytes(self, index: int) -> float:
+        """What block ``index`` keeps through the forward, under the layout's recompute mode."""
+        out = self.u * self.f / self.rep  # the block's output (the next block's, or the final norm's, input)
+        if self._recomputed(index):
+            return out
+        if self.layout.recompute == "mlp":
+            return self.attention_bytes() + self.u * self.f / self.rep + out  # the MLP's input instead of its insides
+        return self.block_bytes()
+
+    def kept_weight_cache(self) -> float:
+        """autocast weight copies kept for the backward (those of layers that are not recomputed)."""
+        if self.layout.recompute == "mlp":
+            d, tp = self.shape.d_model, self.layout.tp
+            attn = (4 * d * d + (4 * d if self.shape.bias else 0)) / tp * self.c if self.layout.autocast else 0
+            return self.shape.n_layers * attn
+        kept = sum(1 for i in range(self.shape.n_layers) if not self._recomputed(i))
+        return kept * self.weight_cache_bytes()
+
+    def per_layer(self) -> list[tuple[str, float]]:
+        """``[(name, bytes kept through the forward)]``: embedding, each block, final norm output."""
+        f = self.u * self.f / self.rep
+        rows = [("embedding", f + self._mask())]
+        rows += [(f"blocks.{i}", self.stored_block_bytes(i)) for i in range(self.shape.n_layers)]
+        return rows + [("ln_f", f)]
+
+    def stored_bytes(self) -> float:
+        """Activations alive at the end of the forward, autocast's weight copies included."""
+        cache = self.shape.n_layers * self.weight_cache_bytes()  # the whole forward's, until autocast exits
+        return sum(b for _, b in self.per_layer()) + cache
+
+    def backward_block_bytes(self) -> float:
+        """Extra bytes while one block runs its backward: recomputed activations plus gradients of
+        activations (the stream's, and the widest inner ones)."""
+        tp, c = self.layout.tp, self.c
+        recomputed = self.block_bytes() if self.layout.recompute != "none" else 0
+        inner = max(2 * self.hid / tp * c, (2 * self.p2 * c) if self.shape.attn_dropout > 0 else 3 * self.u / tp * c)
+        return recomputed + inner + 2 * self.u * 4
+
+    # ---- the loss head ----
+    def head_bytes(self) -> dict[str, float]:
+        """The fused vocab-parallel CE's working set: gradients formed in the forward and one chunk."""
+        sh, tp, c = self.shape, self.layout.tp, self.c
+        classes = math.ceil(sh.vocab_size / tp)
+        chunk = min(sh.head_chunk_size, self.tokens)
+        d = sh.d_model
+        grads = self.tokens * d * 4 + classes * d * 4  # grad_h, grad_W (fp32)
+        if c == 4:
+            work = classes * chunk * 4  # one fp32 logits buffer
+        else:
+            # Cast operands; per chunk fp32 logits, their compute-width gradient, and one (C, d) product.
+            work = self.tokens * d * c + classes * d * c + classes * chunk * (4 + c) + classes * d * c
+        return {"grads": grads, "chunk": work}
+
+    # ---- FLOPs ----
+    def flops_per_micro_batch(self) -> float:
+        """Matmul FLOPs of one micro-batch's forward and backward on one TP rank."""
+        sh, tp = self.shape, self.layout.tp
+        fwd_block = 2 * self.tokens * sh.block_weights() / tp + 4 * self.tokens * sh.seq_len * sh.d_model / tp
+        fwd_mlp = 2 * self.tokens * (sh.block_weights() - 4 * sh.d_model ** 2) / tp
+        fwd_head = 2 * self.tokens * sh.vocab_size * sh.d_model / tp
+        total = 3 * (sh.n_layers * fwd_block + fwd_head)
+        mode = self.layout.recompute
+        if mode == "full":
+            total += sh.n_layers * fwd_block
+        elif mode == "every_k":
+            total += math.ceil(sh.n_layers / self.layout.recompute_every) * fwd_block
+        elif mode == "mlp":
+            total += sh.n_layers * fwd_mlp
+        return total

@@ -1,0 +1,80 @@
+"""A layout: how one training step is laid out over devices (what `--suggest` ranks)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """TP x DP mesh, precision, engine, recompute and batch split of a training step.
+
+    ``precision``: the compute dtype; with ``engine="ddp"`` it is autocast over fp32 parameters,
+    with ``engine="deepspeed"`` and bf16/fp16 the parameters and activations are in that dtype and
+    the fp32 masters live in the optimizer (see ``bigdense.train.engines``).
+    """
+
+    tp: int = 1
+    dp: int = 1
+    precision: str = "fp32"
+    engine: str = "ddp"
+    zero_stage: int = 0  # deepspeed only
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    recompute: str = "none"
+    recompute_every: int = 2
+    sequence_parallel: bool = False
+    device_type: str = "cuda"
+
+    def __post_init__(self):
+        for key in ("tp", "dp", "micro_batch_size", "grad_accum", "recompute_every"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"plan: {key} must be a positive integer, got {value!r}")
+        if self.precision not in PRECISION_BYTES:
+            raise ValueError(f"plan: precision={self.precision!r} is not one of {list(PRECISION_BYTES)}")
+
+    @property
+    def compute_bytes(self) -> int:
+        return PRECISION_BYTES[self.precision]
+
+    @property
+    def autocast(self) -> bool:
+        """Activations in the compute dtype inside matmuls, fp32 residual stream and norms."""
+        return self.engine == "ddp" and self.precision != "fp32"
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per parameter element of the module itself."""
+        return self.compute_bytes if self.engine == "deepspeed" else 4
+
+    @property
+    def zero(self) -> int:
+        return self.zero_stage if self.engine == "deepspeed" else 0
+
+    def with_(self, **changes) -> "Layout":
+        return replace(self, **changes)
+
+    def config_values(self) -> dict:
+        """``{dotted config key: value}`` of the training config this layout sets."""
+        out = {"parallel.tp": self.tp, "parallel.dp": self.dp, "precision.dtype": self.precision,
+               "engine.kind": self.engine, "engine.zero_stage": self.zero_stage, "recompute.mode": self.recompute,
+               "recompute.every": self.recompute_every, "data.micro_batch_size": self.micro_batch_size,
+               "data.grad_accum": self.grad_accum}
+        if self.sequence_parallel:
+            out["parallel.sequence_parallel"] = True
+        return out
+
+    def overrides(self) -> list[str]:
+        """The Hydra overrides of `launch/train.py` that select this layout."""
+        out = [f"parallel.tp={self.tp}", f"parallel.dp={self.dp}", f"precision={self.precision}",
+               f"engine={self.engine}"]
+        if self.engine == "deepspeed":
+            out.append(f"engine.zero_stage={self.zero_stage}")
+        out.append(f"recompute={self.recompute}")
+        if self.recompute == "every_k":
+            out.append(f"recompute.every={self.recompute_every}")
+        if self.sequence_parallel:
+            out.append("parallel.sequence_parallel=true")
+        return out + [f"data.micro_batch_size={self.micro_batch_size}", f"data.grad_accum={self.grad_accum}"]
