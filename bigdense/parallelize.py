@@ -146,8 +146,11 @@ def _check_convertible(model: nn.Module, name: str, style: str) -> None:
 
 
 def plan_parallelism(model: nn.Module, plan: Optional[Mapping[str, PlanValue]] = None) -> dict[str, str]:
-    """What `parallelize` would convert: ``{module name: style}`` (nothing is changed)."""
+    """What `parallelize` would convert: ``{module name: style}`` (nothing is changed); raises what
+    `parallelize` would raise for a plan naming a module it cannot convert."""
     resolved = _auto_plan(model)[0] if plan is None else _resolve_plan(model, plan)
+    for name, (style, _) in resolved.items():
+        _check_convertible(model, name, style)
     return {name: style for name, (style, _) in resolved.items()}
 
 

@@ -16,7 +16,7 @@ from bigdense.plan import count_per_rank, estimate, param_entries
 from bigdense.plan.__main__ import compose, main
 from bigdense.plan.__main__ import DEFAULT_CONF
 from bigdense.plan.config import estimate_config, suggest
-from bigdense.plan.measure import measure_step_peak
+from bigdense.plan.measure import measure_config
 from bigdense.testing import run_ranks
 from omegaconf import OmegaConf
 
@@ -105,6 +105,8 @@ def test_gpt_counts_match_the_built_model():
 def test_bad_plan_and_layout_are_named():
     with pytest.raises(ValueError, match="'fc9'"):
         estimate(_meta(vgg16), {"fc9": "column"}, tp=2)
+    with pytest.raises(TypeError, match="'0.0' is a Conv2d; style 'column' converts an Linear"):
+        estimate(_meta(vgg16), {"0.0": "column"}, tp=2)
     with pytest.raises(ValueError, match="tp must be a positive integer, got 0"):
         estimate(_meta(vgg16), tp=0)
     with pytest.raises(ValueError, match="precision='fp8'"):
@@ -117,21 +119,7 @@ def _plan(**kw):
 
 
 def _measure(overrides):
-    """Peak of live tensor bytes in a steady-state training step (the second), on this rank."""
-    from bigdense.train import apply_recompute, build_engine
-    from bigdense.train.run_setup import build_gpt
-
-    cfg = compose(overrides, DEFAULT_CONF)
-    ctx = bd.init_parallel(tp=cfg.parallel.tp)
-    torch.manual_seed(0)
-    model = build_gpt(cfg.model, cfg.data.vocab_size, ctx)
-    apply_recompute(model.blocks, cfg.recompute)
-    engine = build_engine(model, ctx, engine_cfg=cfg.engine, optim_cfg=cfg.optim, precision_cfg=cfg.precision,
-                          micro_batch_size=cfg.data.micro_batch_size, grad_accum=1, max_steps=4)
-    b, s, v = cfg.data.micro_batch_size, cfg.data.seq_len, cfg.data.vocab_size
-    batch = [(torch.randint(0, v, (b, s)), torch.randint(0, v, (b, s)))]
-    engine.train_step(batch)
-    return measure_step_peak(lambda: engine.train_step(batch), model, engine.optimizer, "cpu")["peak_bytes"]
+    return measure_config(compose(overrides, DEFAULT_CONF))["peak_bytes"]
 
 
 def _check_peaks(model, tp, batch):

@@ -86,3 +86,23 @@ def measure_step_peak(step, model, optimizer, device) -> dict:
         start = live.current
         step()
     return {"peak_bytes": live.peak, "start_bytes": start, "peak_op": live.peak_op}
+
+
+def measure_config(cfg) -> dict:
+    """Run two training steps of the reference GPT that ``cfg`` (the training config) describes, on
+    this process's rank of ``parallel.tp`` x ``parallel.dp``, with random tokens; measure the second
+    (steady state: optimizer state exists). Returns `measure_step_peak`'s dict."""
+    from .. import init_parallel
+    from ..train import apply_recompute, build_engine
+    from ..train.run_setup import build_gpt
+
+    ctx = init_parallel(tp=int(cfg.parallel.tp or 1), dp=cfg.parallel.dp)
+    torch.manual_seed(0)
+    model = build_gpt(cfg.model, cfg.data.vocab_size, ctx)
+    apply_recompute(model.blocks, cfg.recompute)
+    engine = build_engine(model, ctx, engine_cfg=cfg.engine, optim_cfg=cfg.optim, precision_cfg=cfg.precision,
+                          micro_batch_size=cfg.data.micro_batch_size, grad_accum=cfg.data.grad_accum, max_steps=4)
+    b, s, v = cfg.data.micro_batch_size, cfg.data.seq_len, cfg.data.vocab_size
+    batch = [(torch.randint(0, v, (b, s)), torch.randint(0, v, (b, s))) for _ in range(cfg.data.grad_accum)]
+    engine.train_step(batch)
+    return measure_step_peak(lambda: engine.train_step(batch), model, engine.optimizer, ctx.device)

@@ -1,0 +1,66 @@
+"""The memory planner's predicted peak per rank against the peak measured in a real training step.
+
+    python -m bigdense.bench.plan                                   # tiny and small, tp 1 and 2
+    python -m bigdense.bench.plan --models gpt_tiny --batch 8 --seq 128
+
+For each reference GPT config, TP size (gloo CPU processes), precision and recompute mode: the
+peak of live tensor bytes during the second training step (`bigdense.plan.measure`), measured on
+every rank (the largest printed), and ``estimate_config``'s prediction for ``plan.device_type=cpu``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+
+def _measure(overrides):
+    from bigdense.plan.__main__ import DEFAULT_CONF, compose
+    from bigdense.plan.measure import measure_config
+
+    return measure_config(compose(overrides, DEFAULT_CONF))
+
+
+def main(argv=None) -> None:
+    from bigdense.config import PlanConfig
+    from bigdense.plan.__main__ import DEFAULT_CONF, compose
+    from bigdense.plan.config import estimate_config
+    from bigdense.testing import run_ranks
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["gpt_tiny", "gpt_small"])
+    parser.add_argument("--tps", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+
+    plan = OmegaConf.merge(OmegaConf.structured(PlanConfig), {"device_type": "cpu"})
+    rows = []
+    print(f"predicted vs measured peak bytes per rank, micro-batch {args.batch} x {args.seq} tokens, "
+          f"engine=ddp, the second training step")
+    print(f"  {'model':<10} {'tp':>2} {'precision':>9} {'recompute':>9} {'predicted MiB':>13} {'measured MiB':>12} "
+          f"{'error':>7}  phase")
+    for model in args.models:
+        for tp in args.tps:
+            for precision in ("fp32", "bf16"):
+                for recompute in ("none", "full"):
+                    overrides = [f"model={model}", f"parallel.tp={tp}", f"precision={precision}",
+                                 f"recompute={recompute}", f"data.micro_batch_size={args.batch}",
+                                 f"data.seq_len={args.seq}"]
+                    est = estimate_config(compose(overrides, DEFAULT_CONF), plan)
+                    measured = max(r["peak_bytes"] for r in run_ranks(_measure, tp, overrides, timeout=3600))
+                    err = est.peak_bytes / measured - 1
+                    rows.append({"overrides": overrides, "predicted_bytes": est.peak_bytes,
+                                 "measured_bytes": measured, "relative_error": err, "phase": est.peak_phase})
+                    print(f"  {model:<10} {tp:>2} {precision:>9} {recompute:>9} {est.peak_bytes / 2**20:>13.1f} "
+                          f"{measured / 2**20:>12.1f} {err:>+7.2%}  {est.peak_phase}", flush=True)
+    print(f"largest error: {max(abs(r['relative_error']) for r in rows):.2%}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
