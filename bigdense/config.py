@@ -11,30 +11,36 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .data.prepare import check_data
 from .layers.init import INITIALIZERS
-
-
-class ConfigError(ValueError):
-    """A configuration value a person has to change; the message names the key."""
+from .layers.mlp import ACTIVATIONS
+from .models import MODELS, GPTConfig
+from .parallel.context import ParallelDims
+from .train.engines import EngineSettings
+from .train.engines.factory import check_engine
+from .train.precision import check_precision
+from .train.recompute import check_recompute
+from .validation import ConfigError, check_choice, check_positive
 
 
 @dataclass
 class ModelConfig:
-    """The network. ``vocab_size`` defaults to the tokenizer's."""
+    """The network. Defaults are `bigdense.models.GPTConfig`'s; ``vocab_size`` defaults to the tokenizer's."""
 
-    name: str = "gpt"  # the decoder LM of bigdense.models (the classifier there is library-only)
-    d_model: int = 256
-    n_layers: int = 4
-    n_heads: int = 4  # tensor parallelism splits heads: parallel.tp must divide this
-    d_hidden: Optional[int] = None  # MLP width; None means 4 * d_model
-    activation: str = "gelu"  # "gelu", "relu" or "swiglu"
-    max_seq_len: int = 256
-    dropout: float = 0.1
-    bias: bool = True
-    tie_embeddings: bool = True  # share the embedding table with the output head, shard for shard
+    name: str = "gpt"  # one of bigdense.models.MODELS (the classifier there is library-only)
+    d_model: int = GPTConfig.d_model
+    n_layers: int = GPTConfig.n_layers
+    n_heads: int = GPTConfig.n_heads  # tensor parallelism splits heads: parallel.tp must divide this
+    d_hidden: Optional[int] = GPTConfig.d_hidden  # MLP width; None means 4 * d_model
+    activation: str = GPTConfig.activation  # one of bigdense.layers.mlp.ACTIVATIONS: "gelu", "relu", "swiglu"
+    max_seq_len: int = GPTConfig.max_seq_len
+    dropout: float = GPTConfig.dropout
+    bias: bool = GPTConfig.bias
+    tie_embeddings: bool = GPTConfig.tie_embeddings  # share the embedding table with the output head, shard for shard
     vocab_size: Optional[int] = None
-    head_chunk_size: int = 1024  # tokens per chunk of the fused vocab-parallel cross-entropy
-    init: str = "trunc_normal"  # a name from bigdense.INITIALIZERS
+    # Tokens per chunk of the fused vocab-parallel cross-entropy; None: the head picks one from a memory budget.
+    head_chunk_size: Optional[int] = GPTConfig.head_chunk_size
+    init: str = GPTConfig.init  # a name from bigdense.INITIALIZERS
     # {module path: rank} or null: build these dense layers as low-rank pairs (as written by
     # `python -m bigdense.compress`; override syntax: 'model.low_rank={blocks.0.mlp.up:48}')
     low_rank: Any = None
@@ -155,13 +161,13 @@ class PlanConfig:
 
 def validate_plan(plan) -> None:
     """The ``plan.*`` keys; errors name the key."""
-    _choice("plan.device_type", plan.device_type, ("cuda", "cpu"))
+    check_choice("plan.device_type", plan.device_type, ("cuda", "cpu"))
     for key in ("device_gb", "tflops", "tflops_fp32", "tp_gbps", "dp_gbps", "latency_us", "top"):
-        _positive(f"plan.{key}", getattr(plan, key))
+        check_positive(f"plan.{key}", getattr(plan, key))
     if plan.devices is not None:
-        _positive("plan.devices", plan.devices)
+        check_positive("plan.devices", plan.devices)
     if plan.overhead_gb is not None:
-        _positive("plan.overhead_gb", plan.overhead_gb, allow_zero=True)
+        check_positive("plan.overhead_gb", plan.overhead_gb, allow_zero=True)
 
 
 def run_dir_name() -> str:
@@ -191,48 +197,32 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="_train_schema", node=TrainConfig)
 
 
-def _choice(key: str, value: Any, allowed) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
-
-
-def _positive(key: str, value, allow_zero: bool = False) -> None:
-    if value is None or value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
-
-
 def validate(cfg, world_size: int, device_type: str) -> None:
-    """Every check a person can act on, before any work. ``cfg`` is a TrainConfig or DictConfig."""
-    m, p, par = cfg.model, cfg.precision, cfg.parallel
-    _choice("model.name", m.name, ("gpt",))
-    _choice("model.activation", m.activation, ("gelu", "relu", "swiglu"))
-    _choice("recompute.mode", cfg.recompute.mode, ("none", "full", "mlp", "every_k"))
-    _choice("precision.dtype", p.dtype, ("fp32", "bf16", "fp16"))
-    _choice("engine.kind", cfg.engine.kind, ("ddp", "deepspeed"))
-    _choice("engine.zero_stage", cfg.engine.zero_stage, (0, 1, 2))
-    _choice("optim.name", cfg.optim.name, ("adamw",))
-    _choice("optim.schedule", cfg.optim.schedule, ("cosine", "constant"))
-    _choice("data.source", cfg.data.source, ("stdlib", "files"))
-    for key in ("model.d_model", "model.n_layers", "model.n_heads", "model.max_seq_len", "model.head_chunk_size",
-                "data.seq_len", "data.micro_batch_size", "data.grad_accum", "trainer.max_steps",
-                "trainer.log_interval", "trainer.eval_batches", "optim.lr", "recompute.every"):
+    """Every check a person can act on, before any work. ``cfg`` is a TrainConfig or DictConfig.
+
+    Each rule is asked of the code that owns it (the allowed values and ranges live there); what is
+    left here are the model's keys and the combinations of groups. Raises `ConfigError`.
+    """
+    m = cfg.model
+    check_choice("model.name", m.name, MODELS)
+    check_choice("model.activation", m.activation, ACTIVATIONS)
+    check_choice("model.init", m.init, sorted(INITIALIZERS))
+    check_recompute(cfg.recompute.mode, cfg.recompute.every)
+    check_precision(cfg.precision, device_type)
+    check_engine(EngineSettings.from_run_config(cfg), device_type)  # optimizer and schedule included
+    check_data(cfg.data)
+    for key in ("model.d_model", "model.n_layers", "model.n_heads", "model.max_seq_len",
+                "trainer.log_interval", "trainer.eval_batches", "parallel.timeout_s"):
         group, name = key.split(".")
-        _positive(key, getattr(getattr(cfg, group), name))
-    for key in ("optim.min_lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
-                "trainer.eval_interval", "trainer.save_interval"):
+        check_positive(key, getattr(getattr(cfg, group), name))
+    for key in ("trainer.eval_interval", "trainer.save_interval"):
         group, name = key.split(".")
-        _positive(key, getattr(getattr(cfg, group), name), allow_zero=True)
-    for key in ("optim.eps", "precision.init_scale", "precision.growth_interval", "precision.min_scale",
-                "parallel.timeout_s"):
-        group, name = key.split(".")
-        _positive(key, getattr(getattr(cfg, group), name))
-    if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
-        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(cfg.optim.betas)}")
+        check_positive(key, getattr(getattr(cfg, group), name), allow_zero=True)
+    for key in ("d_hidden", "head_chunk_size"):  # None: the model's own choice
+        if getattr(m, key) is not None:
+            check_positive(f"model.{key}", getattr(m, key))
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
-    if m.d_hidden is not None:
-        _positive("model.d_hidden", m.d_hidden)
-    _choice("model.init", m.init, sorted(INITIALIZERS))
     if m.vocab_size is not None and m.vocab_size < cfg.data.vocab_size:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than data.vocab_size={cfg.data.vocab_size}: "
                           "the tokenizer would produce ids the embedding does not have (leave it null)")
@@ -242,40 +232,15 @@ def validate(cfg, world_size: int, device_type: str) -> None:
     if low_rank is not None and not hasattr(low_rank, "items"):
         raise ConfigError(f"model.low_rank must be a mapping {{module path: rank}} or null, got {low_rank!r}")
     for path, rank in (low_rank or {}).items():
-        _positive(f"model.low_rank[{path}]", rank)
+        check_positive(f"model.low_rank[{path}]", rank)
     init_from = getattr(cfg.trainer, "init_from", None)
     if init_from and not os.path.exists(os.path.expanduser(str(init_from))):
         raise ConfigError(f"trainer.init_from={init_from!r} does not exist")
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
 
-    tp = par.tp if par.tp is not None else world_size
-    if not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"parallel.tp must be a positive integer or null, got {tp!r}")
-    if world_size % tp:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ConfigError(
-            f"parallel.tp={tp} does not divide the number of processes ({world_size}); choose one of {divisors}"
-        )
-    dp = par.dp if par.dp is not None else world_size // tp
-    if tp * dp != world_size:
-        raise ConfigError(f"parallel.tp={tp} x parallel.dp={dp} = {tp * dp}, but {world_size} processes were launched")
+    tp = ParallelDims.resolve(cfg.parallel.tp, cfg.parallel.dp, world_size).tp
     if m.n_heads % tp:
         ok = [d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]
         raise ConfigError(f"parallel.tp={tp} must divide model.n_heads={m.n_heads} (heads are split over TP); "
                           f"choose tp from {ok}")
-
-    if p.dtype == "bf16" and device_type == "cuda":
-        import torch
-
-        if not torch.cuda.is_bf16_supported():
-            raise ConfigError("precision=bf16: this GPU has no bf16 support; use precision=fp16")
-    if p.dtype == "fp16" and cfg.engine.kind == "deepspeed" and device_type == "cpu":
-        raise ConfigError("precision=fp16 with engine=deepspeed needs a GPU: DeepSpeed's CPU accelerator has no "
-                          "fp16 support; use precision=bf16, or engine=ddp")
-    if cfg.data.source == "files":
-        path = cfg.data.path
-        if not path:
-            raise ConfigError("data.source=files needs data.path (a directory or file of text)")
-        if not os.path.exists(os.path.expanduser(str(path))):
-            raise ConfigError(f"data.path={path!r} does not exist")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from ..config import ConfigError
+from ..validation import ConfigError, check_choice
 
 # Never part of "the standard library": third-party code lives there, and differs between machines.
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
@@ -42,8 +42,12 @@ class Corpus:
     skipped: list[str] = field(default_factory=list)  # rel paths that are not UTF-8
 
 
+SOURCES = ("stdlib", "files")  # data.source: this Python's standard library, or data.path
+
+
 def source_root(source: str, path: str | None) -> Path:
     """The directory (or single file) that ``data.source``/``data.path`` name; a clear error if none."""
+    check_choice("data.source", source, SOURCES)
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         if not root.is_dir():
@@ -55,8 +59,7 @@ def source_root(source: str, path: str | None) -> Path:
         root = Path(path).expanduser()
         if not root.exists():
             raise ConfigError(f"data.path={path!r} does not exist")
-        return root.resolve()
-    raise ConfigError(f"data.source={source!r} is not one of ['stdlib', 'files']")
+    return root.resolve()
 
 
 def _matches(parts: Sequence[str], pattern: Sequence[str]) -> bool:

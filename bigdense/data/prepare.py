@@ -12,10 +12,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError
+from ..validation import ConfigError, check_positive
 from . import cache
 from .batches import BatchSampler, _check_length, eval_batches
-from .corpus import list_files
+from .corpus import list_files, source_root
 from .tokenizer import MIN_VOCAB, BPETokenizer
 
 
@@ -78,16 +78,16 @@ class Data:
         return (self.dp_rank if dp_rank is None else dp_rank), (self.dp_size if dp_size is None else dp_size)
 
 
-def _validate(cfg) -> None:
-    if cfg.source not in ("stdlib", "files"):
-        raise ConfigError(f"data.source={cfg.source!r} is not one of ['stdlib', 'files']")
+def check_data(cfg) -> None:
+    """The ``data`` group's rules: a source that exists, a vocabulary size the tokenizer supports,
+    a held-out share in (0, 1), positive sizes."""
+    source_root(cfg.source, cfg.path)
     if not MIN_VOCAB <= cfg.vocab_size <= 1 << 32:
         raise ConfigError(f"data.vocab_size must be in [{MIN_VOCAB}, 2**32] (256 bytes and end-of-text), got {cfg.vocab_size}")
     if not 0.0 < cfg.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {cfg.val_fraction}")
     for key in ("max_corpus_mb", "seq_len", "micro_batch_size"):
-        if not getattr(cfg, key) > 0:
-            raise ConfigError(f"data.{key} must be > 0, got {getattr(cfg, key)!r}")
+        check_positive(f"data.{key}", getattr(cfg, key))
 
 
 def _distributed() -> bool:
@@ -140,7 +140,7 @@ def prepare_data(cfg, ctx=None, *, seed: int = 0) -> Data:
     """
     from ..parallel.context import get_default_context
 
-    _validate(cfg)
+    check_data(cfg)
     ctx = ctx if ctx is not None else get_default_context()
     t0 = time.perf_counter()
     try:

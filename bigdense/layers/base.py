@@ -1,8 +1,10 @@
 """What every tensor-parallel layer shares: its group, its shard layout, its seeds, its input checks.
 
 A layer declares, per parameter, the global shape and the dimension it is split along
-(``_shards``); from that come ``bd_shard_specs()`` (read by clipping, checkpoints and export),
-the Megatron-style attributes DeepSpeed reads, and ``to_dense``-style gathering.
+(``_shards``): the one decision of whether and how a parameter is sharded. From it come
+``bd_shard_specs()`` (read by checkpoints, export and parameter counts), the spec attached to each
+parameter (`bigdense.parallel.sharding.shard_spec_of`, read by clipping and metrics), the
+Megatron-style attributes DeepSpeed reads, and ``gather_param``.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch.nn as nn
 from ..parallel import comm
 from ..parallel.context import resolve_tp_group
 from ..parallel.random import draw_seed
-from ..parallel.sharding import ShardSpec, mark_tensor_parallel
+from ..parallel.sharding import ShardSpec, mark_sharded
 
 
 class TensorParallelModule(nn.Module):
@@ -32,14 +34,14 @@ class TensorParallelModule(nn.Module):
     def _declare_shard(self, name: str, global_shape, dim: int) -> None:
         """Parameter ``name`` is this rank's balanced slice of ``global_shape`` along ``dim``."""
         self._shards[name] = (tuple(int(s) for s in global_shape), dim)
-        mark_tensor_parallel(getattr(self, name), self.shard_spec(name))
+        mark_sharded(getattr(self, name), self.shard_spec(name))
 
     def _apply(self, fn, recurse=True):
-        # .to()/.to_empty() may replace Parameter objects; keep the Megatron attributes on the new ones.
+        # .to()/.to_empty() may replace Parameter objects; keep the spec and Megatron attributes on the new ones.
         out = super()._apply(fn, recurse)
         for name in self._shards:
             if getattr(self, name, None) is not None:
-                mark_tensor_parallel(getattr(self, name), self.shard_spec(name))
+                mark_sharded(getattr(self, name), self.shard_spec(name))
         return out
 
     def shard_spec(self, name: str) -> Optional[ShardSpec]:
@@ -82,6 +84,16 @@ class TensorParallelModule(nn.Module):
                 f"{self._where()}: input dtype {x.dtype} does not match parameter dtype {param.dtype} "
                 f"(cast the input, or run under torch.autocast)"
             )
+
+
+def check_from_dense(cls, module: nn.Module, expected: type, kwargs: dict, from_module: tuple[str, ...]) -> None:
+    """The checks every ``from_dense`` makes: ``module`` is an ``expected``, and no keyword in
+    ``from_module`` is passed (those options come from the dense module itself)."""
+    if not isinstance(module, expected):
+        raise TypeError(f"{cls.__name__}.from_dense: expected an nn.{expected.__name__}, got {type(module).__name__}")
+    for key in from_module:
+        if key in kwargs:
+            raise TypeError(f"{cls.__name__}.from_dense: {key}= comes from the nn.{expected.__name__}, do not pass it")
 
 
 def materialize(module: nn.Module, device="cpu") -> nn.Module:

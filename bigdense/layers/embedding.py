@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from ..parallel.regions import reduce_from_tp
 from ..parallel.sharding import shard_range, shard_sizes
-from .base import TensorParallelModule
+from ..validation import check_positive_int
+from .base import TensorParallelModule, check_from_dense
 from .init import InitSpec, resolve_init
 
 
@@ -43,8 +44,7 @@ class VocabParallelEmbedding(TensorParallelModule):
     ):
         super().__init__()
         for name, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"VocabParallelEmbedding: {name} must be a positive integer, got {value!r}")
+            check_positive_int(f"VocabParallelEmbedding: {name}", value)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
@@ -134,8 +134,7 @@ class VocabParallelEmbedding(TensorParallelModule):
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, **kwargs) -> "VocabParallelEmbedding":
         """This rank's rows of ``embedding`` (same device, dtype and padding_idx); ``kwargs``: ``tp_group``."""
-        if not isinstance(embedding, nn.Embedding):
-            raise TypeError(f"{cls.__name__}.from_dense: expected an nn.Embedding, got {type(embedding).__name__}")
+        check_from_dense(cls, embedding, nn.Embedding, kwargs, ("padding_idx", "device", "dtype", "init"))
         unsupported = {
             "max_norm": embedding.max_norm is not None,
             "scale_grad_by_freq": embedding.scale_grad_by_freq,
@@ -145,9 +144,6 @@ class VocabParallelEmbedding(TensorParallelModule):
             raise ValueError(
                 f"{cls.__name__}.from_dense: {[k for k, v in unsupported.items() if v]} are not supported"
             )
-        for key in ("padding_idx", "device", "dtype", "init"):
-            if key in kwargs:
-                raise TypeError(f"{cls.__name__}.from_dense: {key}= comes from the nn.Embedding, do not pass it")
         layer = cls(
             embedding.num_embeddings, embedding.embedding_dim, padding_idx=embedding.padding_idx,
             device="meta", dtype=embedding.weight.dtype, **kwargs,

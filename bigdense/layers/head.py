@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..parallel import comm
+from ..validation import check_positive_int, is_positive_int
 from .init import InitSpec, init_bias_
 from .linear import ColumnParallelLinear
 from .vocab_ce import CEConfig, FusedVocabParallelCE, auto_chunk_size
@@ -57,11 +58,8 @@ class ParallelClassifierHead(ColumnParallelLinear):
         device=None,
         dtype=None,
     ):
-        if not isinstance(num_classes, int) or isinstance(num_classes, bool) or num_classes < 1:
-            raise ValueError(f"ParallelClassifierHead: num_classes must be a positive integer, got {num_classes!r}")
-        if chunk_size is not None and (
-            not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
-        ):
+        check_positive_int("ParallelClassifierHead: num_classes", num_classes)
+        if chunk_size is not None and not is_positive_int(chunk_size):
             raise ValueError(
                 f"ParallelClassifierHead: chunk_size must be a positive integer or None, got {chunk_size!r}"
             )

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from ..parallel.regions import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 from ..parallel.sharding import shard_range, shard_sizes
-from .base import TensorParallelModule
+from ..validation import check_positive_int
+from .base import TensorParallelModule, check_from_dense
 from .init import InitSpec, init_bias_, resolve_init
 
 
@@ -29,8 +30,7 @@ class _ParallelLinear(TensorParallelModule):
     def __init__(self, in_features, out_features, bias, init, tp_group, device, dtype):
         super().__init__()
         for name, value in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{type(self).__name__}: {name} must be a positive integer, got {value!r}")
+            check_positive_int(f"{type(self).__name__}: {name}", value)
         self.in_features, self.out_features = in_features, out_features
         self._setup_tp(tp_group)
         self.init = resolve_init(init, f"{type(self).__name__}({in_features}, {out_features})")
@@ -92,11 +92,7 @@ class _ParallelLinear(TensorParallelModule):
 
         ``kwargs`` are the constructor's keyword options (``tp_group``, ``gather_output``, ...).
         """
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"{cls.__name__}.from_dense: expected an nn.Linear, got {type(linear).__name__}")
-        for key in ("bias", "device", "dtype", "init"):
-            if key in kwargs:
-                raise TypeError(f"{cls.__name__}.from_dense: {key}= comes from the nn.Linear, do not pass it")
+        check_from_dense(cls, linear, nn.Linear, kwargs, ("bias", "device", "dtype", "init"))
         layer = cls(
             linear.in_features, linear.out_features, bias=linear.bias is not None,
             device="meta", dtype=linear.weight.dtype, **kwargs,

@@ -2,4 +2,6 @@
 from .classifier import ParallelClassifier
 from .gpt import GPT, Block, GPTConfig, ParallelSelfAttention
 
-__all__ = ["GPT", "GPTConfig", "Block", "ParallelSelfAttention", "ParallelClassifier"]
+MODELS = ("gpt",)  # model.name values launch/train.py builds (bigdense.train.run_setup.build_gpt)
+
+__all__ = ["MODELS", "GPT", "GPTConfig", "Block", "ParallelSelfAttention", "ParallelClassifier"]

@@ -18,12 +18,18 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from ..validation import ConfigError, check_positive_int
+
 ProcessGroup = dist.ProcessGroup
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the mesh; validates ``tp * dp == world_size`` with a message a person can act on."""
+    """Sizes of the mesh; validates ``tp * dp == world_size`` with a message a person can act on.
+
+    The one owner of the TP/DP arithmetic: `resolve` fills in the defaults (``tp``: every process,
+    ``dp``: the rest) for `init_parallel` and for `bigdense.config.validate` alike.
+    """
 
     tp: int
     dp: int
@@ -31,15 +37,24 @@ class ParallelDims:
 
     def __post_init__(self):
         for name in ("tp", "dp", "world_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
+            check_positive_int(f"parallel.{name}", getattr(self, name), ConfigError)
         if self.tp * self.dp != self.world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"parallel.tp ({self.tp}) x parallel.dp ({self.dp}) = {self.tp * self.dp}, "
                 f"but the world size is {self.world_size}: "
                 + _world_hint(self.tp, self.world_size)
             )
+
+
+    @classmethod
+    def resolve(cls, tp: Optional[int], dp: Optional[int], world_size: int) -> "ParallelDims":
+        """The mesh for ``world_size`` processes; ``tp=None`` means all of them, ``dp=None`` the rest."""
+        tp = world_size if tp is None else tp
+        check_positive_int("parallel.tp", tp, ConfigError)
+        if world_size % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide the number of processes ({world_size}); "
+                             + _world_hint(tp, world_size))
+        return cls(tp, world_size // tp if dp is None else dp, world_size)
 
 
 def _world_hint(tp: int, world: int) -> str:
@@ -173,10 +188,7 @@ def init_parallel(
         dist.init_process_group(**kwargs)
         _owns_process_group = True
 
-    world = dist.get_world_size()
-    if not isinstance(tp, int) or tp < 1 or world % tp != 0:
-        raise ValueError(f"init_parallel: tp={tp!r} does not divide the world size {world}; " + _world_hint(tp, world))
-    dims = ParallelDims(tp, world // tp if dp is None else dp, world)
+    dims = ParallelDims.resolve(tp, dp, dist.get_world_size())
 
     from torch.distributed.device_mesh import init_device_mesh
 

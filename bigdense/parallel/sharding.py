@@ -4,12 +4,16 @@ Every bigdense layer splits a dimension the same way: the first ``total % parts`
 more row (or column) than the rest, so shards never differ by more than one. A Column→Row pair
 built with the same ``total`` therefore agrees on every rank's slice of the hidden dimension.
 
-`ShardSpec` records, for one parameter, which global tensor it is a slice of. Layers report theirs
-through ``module.bd_shard_specs()``; clipping, checkpointing and export read them from there.
+`ShardSpec` records, for one parameter, which global tensor it is a slice of. A layer declares it
+once per parameter (`TensorParallelModule._declare_shard`), which is the one place "is this
+parameter sharded, and how" is decided. It is then read two ways: per module through
+``module.bd_shard_specs()`` (checkpoints, export, parameter counts) and per parameter through
+`shard_spec_of` (gradient clipping, RMS metrics, which see parameters rather than modules).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -68,12 +72,19 @@ class ShardSpec:
         return cls(dim, global_shape, tuple(shard_sizes(global_shape[dim], parts)), rank)
 
 
-def mark_tensor_parallel(param: torch.nn.Parameter, spec: ShardSpec) -> None:
-    """Tag a sharded parameter the way Megatron does, for libraries that read those attributes.
+def mark_sharded(param: torch.nn.Parameter, spec: ShardSpec) -> None:
+    """Attach the layer's `ShardSpec` to its parameter, and the Megatron-style attributes DeepSpeed reads.
 
     DeepSpeed's gradient-norm code counts a parameter on every model-parallel rank only when
-    ``tensor_model_parallel`` is set; bigdense itself reads ``bd_shard_specs()`` instead.
+    ``tensor_model_parallel`` is set; that is the only reader of those attributes. bigdense asks
+    `shard_spec_of` (or the layers' ``bd_shard_specs()``).
     """
+    param.bd_shard_spec = spec
     param.tensor_model_parallel = True
     param.partition_dim = spec.dim
     param.partition_stride = 1
+
+
+def shard_spec_of(param: torch.Tensor) -> Optional[ShardSpec]:
+    """The `ShardSpec` the parameter's layer declared; ``None`` when it is replicated over TP."""
+    return getattr(param, "bd_shard_spec", None)

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from ..parallel import comm
 from ..parallel.context import resolve_tp_group
+from ..parallel.sharding import shard_spec_of
 
 
 def unique_params(model_or_params) -> list[torch.Tensor]:
@@ -29,8 +30,8 @@ def unique_params(model_or_params) -> list[torch.Tensor]:
 
 
 def is_tp_sharded(param: torch.Tensor) -> bool:
-    """Whether ``param`` is this rank's shard of a larger tensor (the Megatron attribute bigdense sets)."""
-    return bool(getattr(param, "tensor_model_parallel", False))
+    """Whether ``param`` is this rank's shard of a larger tensor, as its layer declared it."""
+    return shard_spec_of(param) is not None
 
 
 def clip_grad_norm_(
@@ -43,8 +44,8 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip gradients in place by their global norm; return that norm (fp32, 0-dim).
 
-    The norm is the one the unsharded model would have. Sharded parameters (those marked
-    ``tensor_model_parallel``) contribute their shard on every TP rank, summed over the TP group;
+    The norm is the one the unsharded model would have. Sharded parameters (those whose layer
+    declared a shard spec, `shard_spec_of`) contribute their shard on every TP rank, summed over the TP group;
     TP-replicated parameters (a RowParallelLinear bias, LayerNorm weights) hold the same gradient on
     every TP rank and are counted once. Tied parameters are counted once. Norms accumulate in fp32
     whatever the gradients' dtype. ``norm_type`` is any p > 0 or ``inf`` (the largest magnitude).

@@ -1,5 +1,6 @@
-"""What a training run reports: JSONL metrics, a console line per log interval, peak memory, the
-RMS of every dense layer (weights, activations, gradients), and the loss curve as a PNG.
+"""What a training run records: JSONL metrics, peak memory, the RMS of every dense layer (weights,
+activations, gradients), and the loss curve as a PNG. (The console line and the progress bar are
+`launch/train.py`'s.)
 
 Only the main rank writes; every rank takes part in the collectives of `DenseLayerStats`.
 """
@@ -18,6 +19,7 @@ import torch.nn as nn
 from ..layers.base import TensorParallelModule
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..parallel import comm
+from ..parallel.sharding import shard_spec_of
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -94,7 +96,7 @@ class DenseLayerStats:
         """``{"rms/<layer>/weight|grad|act_in|act": value}``; a collective over TP (every rank calls it)."""
         entries: list[tuple[str, torch.Tensor, float, bool]] = []
         for name, module in self._weighted.items():
-            sharded = getattr(module.weight, "tensor_model_parallel", False)
+            sharded = shard_spec_of(module.weight) is not None
             for kind, t in (("weight", module.weight), ("grad", module.weight.grad)):
                 if t is not None:
                     t = t.detach().float()

@@ -1,8 +1,11 @@
-"""Mixed precision from ``PrecisionConfig``: autocast for compute, fp32 everywhere else.
+"""Mixed precision from ``PrecisionConfig`` for the DDP engine and plain loops: autocast for
+compute, fp32 everywhere else; and the ``precision`` group's rules (`check_precision`).
 
 ``precision.dtype`` picks the compute dtype of matmuls inside `torch.autocast`. Parameters,
-gradients, optimizer state and hence the master weights stay fp32: a model is never cast with
-``.half()``/``.bfloat16()``, so an optimizer step never rounds a weight update away.
+gradients, optimizer state and hence the master weights stay fp32: this module never casts a model
+with ``.half()``/``.bfloat16()``, so an optimizer step never rounds a weight update away. (The
+DeepSpeed engine is the exception: it uses DeepSpeed's own bf16/fp16, which casts the module's
+weights and keeps fp32 masters inside DeepSpeed's optimizer; see `train.engines.deepspeed`.)
 
 fp16's narrow range needs loss scaling. `DynamicLossScaler` is bigdense's scaler, not torch's
 ``GradScaler``: ``GradScaler`` looks for inf/nan in *this process's* gradients only. Under tensor
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import comm
+from ..validation import ConfigError, check_choice, check_positive_int
 from .clip import unique_params
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -29,10 +33,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def compute_dtype(name: str) -> torch.dtype:
     """``"fp32" | "bf16" | "fp16"`` -> the torch dtype; the error names ``precision.dtype``."""
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"precision.dtype={name!r} is not one of {list(DTYPES)}") from None
+    return DTYPES[check_choice("precision.dtype", name, DTYPES)]
+
+
+def check_precision(cfg, device_type: str) -> None:
+    """The ``precision`` group's rules: a known dtype the device supports, and a valid fp16 scaler."""
+    compute_dtype(str(cfg.dtype))
+    DynamicLossScaler.from_config(cfg, None)  # its constructor checks the scaler's settings
+    if cfg.dtype == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError("precision=bf16: this GPU has no bf16 support; use precision=fp16")
 
 
 def autocast(dtype: str, device) -> contextlib.AbstractContextManager:
@@ -81,11 +90,10 @@ class DynamicLossScaler:
         group: Optional[dist.ProcessGroup] = None,
     ):
         if not (math.isfinite(init_scale) and init_scale > 0):
-            raise ValueError(f"precision.init_scale must be a positive finite number, got {init_scale!r}")
-        if not (isinstance(growth_interval, int) and growth_interval >= 1):
-            raise ValueError(f"precision.growth_interval must be a positive integer, got {growth_interval!r}")
+            raise ConfigError(f"precision.init_scale must be a positive finite number, got {init_scale!r}")
+        check_positive_int("precision.growth_interval", growth_interval, ConfigError)
         if not (0 < min_scale <= init_scale):
-            raise ValueError(f"precision.min_scale must be in (0, init_scale={init_scale}], got {min_scale!r}")
+            raise ConfigError(f"precision.min_scale must be in (0, init_scale={init_scale}], got {min_scale!r}")
         if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0):
             raise ValueError(
                 f"DynamicLossScaler: growth_factor must be > 1 and backoff_factor in (0, 1), "

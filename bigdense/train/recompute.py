@@ -22,6 +22,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..parallel.random import batch_slice, current_batch_slice
+from ..validation import ConfigError, check_choice, check_positive_int
 
 MODES = ("none", "full", "mlp", "every_k")
 MLP_ATTR = "mlp"  # how a block exposes its MLP sub-module for mode=mlp
@@ -65,21 +66,26 @@ def is_checkpointed(module: nn.Module) -> bool:
     return "_bd_inner_forward" in module.__dict__
 
 
+def check_recompute(mode: str, every: int = 2) -> None:
+    """The ``recompute`` group's rules: ``mode`` is one of `MODES`; for ``every_k``, ``every`` (k) is a
+    positive integer."""
+    check_choice("recompute.mode", mode, MODES)
+    if mode == "every_k":
+        check_positive_int("recompute.every", every, ConfigError)
+
+
 def recompute_targets(blocks: Sequence[nn.Module], mode: str, every: int = 2) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` pairs a mode checkpoints; names are relative to ``blocks`` (``"3"``, ``"3.mlp"``).
 
     ``full``: every block. ``mlp``: each block's ``mlp`` attribute (the attention, whose
     activations are smaller per FLOP, is kept). ``every_k``: blocks 0, k, 2k, ... (``every`` = k).
     """
-    if mode not in MODES:
-        raise ValueError(f"recompute.mode={mode!r} is not one of {list(MODES)}")
+    check_recompute(mode, every)
     if mode == "none":
         return []
     if mode == "full":
         return [(str(i), b) for i, b in enumerate(blocks)]
     if mode == "every_k":
-        if not (isinstance(every, int) and every >= 1):
-            raise ValueError(f"recompute.every must be a positive integer for mode=every_k, got {every!r}")
         return [(str(i), b) for i, b in enumerate(blocks) if i % every == 0]
     out = []
     for i, block in enumerate(blocks):

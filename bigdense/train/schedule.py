@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..validation import ConfigError, check_choice, check_positive
+
 
 @dataclass
 class WarmupCosine:
@@ -32,20 +34,24 @@ class WarmupCosine:
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+SCHEDULES = ("cosine", "constant")  # optim.schedule
+
+
+def check_schedule(optim_cfg) -> None:
+    """The schedule's rules: a known ``schedule``, ``lr > 0``, ``0 <= min_lr <= lr``, ``warmup_steps >= 0``."""
+    check_choice("optim.schedule", str(optim_cfg.schedule), SCHEDULES)
+    lr = float(check_positive("optim.lr", optim_cfg.lr))
+    if not 0.0 <= float(optim_cfg.min_lr) <= lr:
+        raise ConfigError(f"optim.min_lr must be in [0, optim.lr={lr}], got {optim_cfg.min_lr}")
+    check_positive("optim.warmup_steps", optim_cfg.warmup_steps, allow_zero=True)
+
+
 def build_lr_schedule(optimizer: torch.optim.Optimizer, optim_cfg, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` over ``optimizer`` from ``OptimConfig`` (lr, min_lr, warmup_steps, schedule).
 
     Step it once per *applied* optimizer step: a skipped step (overflow, non-finite norm) does not
     advance the schedule, which is also what DeepSpeed does.
     """
-    schedule = str(optim_cfg.schedule)
-    if schedule not in ("cosine", "constant"):
-        raise ValueError(f"optim.schedule={schedule!r} is not one of ['cosine', 'constant']")
+    check_schedule(optim_cfg)
     lr, min_lr, warmup = float(optim_cfg.lr), float(optim_cfg.min_lr), int(optim_cfg.warmup_steps)
-    if lr <= 0:
-        raise ValueError(f"optim.lr must be > 0, got {lr}")
-    if not 0.0 <= min_lr <= lr:
-        raise ValueError(f"optim.min_lr must be in [0, optim.lr={lr}], got {min_lr}")
-    if warmup < 0:
-        raise ValueError(f"optim.warmup_steps must be >= 0, got {warmup}")
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, int(max_steps), min_lr / lr, schedule))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, int(max_steps), min_lr / lr, str(optim_cfg.schedule)))

@@ -25,7 +25,9 @@ import torch.nn as nn
 
 from ...parallel.context import ParallelContext
 from ...parallel.random import batch_slice
+from ...validation import ConfigError, check_choice, check_positive, check_positive_int
 from ..precision import autocast
+from ..schedule import check_schedule
 
 
 @dataclass
@@ -56,11 +58,10 @@ class EngineSettings:
     grad_accum: int = 1
 
     def __post_init__(self):
-        for key, value in (("data.micro_batch_size", self.micro_batch_size), ("data.grad_accum", self.grad_accum)):
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{key} must be a positive integer, got {value!r}")
-        if str(self.optim.name) != "adamw":
-            raise ValueError(f"optim.name={self.optim.name!r} is not one of ['adamw']")
+        check_positive_int("data.micro_batch_size", self.micro_batch_size, ConfigError)
+        check_positive_int("data.grad_accum", self.grad_accum, ConfigError)
+        check_positive_int("trainer.max_steps", self.max_steps, ConfigError)
+        check_optim(self.optim)
 
     @classmethod
     def from_run_config(cls, cfg) -> "EngineSettings":
@@ -68,6 +69,21 @@ class EngineSettings:
         return cls(engine=cfg.engine, optim=cfg.optim, precision=cfg.precision,
                    micro_batch_size=cfg.data.micro_batch_size, grad_accum=cfg.data.grad_accum,
                    max_steps=cfg.trainer.max_steps)
+
+
+OPTIMIZERS = ("adamw",)  # optim.name: torch's AdamW (DeepSpeed's "torch_adam" in the DeepSpeed engine)
+
+
+def check_optim(optim_cfg) -> None:
+    """The optimizer's rules (the schedule's are `schedule.check_schedule`'s)."""
+    check_choice("optim.name", str(optim_cfg.name), OPTIMIZERS)
+    betas = list(optim_cfg.betas)
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {betas}")
+    check_positive("optim.eps", optim_cfg.eps)
+    for key in ("weight_decay", "grad_clip"):
+        check_positive(f"optim.{key}", getattr(optim_cfg, key), allow_zero=True)
+    check_schedule(optim_cfg)
 
 
 def mesh_group(ctx: ParallelContext) -> Optional[dist.ProcessGroup]:
@@ -95,7 +111,12 @@ class Engine:
 
     kind: str
 
+    @classmethod
+    def check_config(cls, settings: EngineSettings, device_type: str) -> None:
+        """Rules this engine adds to the settings' own (raises `ConfigError`); called on construction."""
+
     def __init__(self, model: nn.Module, ctx: ParallelContext, settings: EngineSettings):
+        type(self).check_config(settings, ctx.device.type)
         self.model = model
         self.ctx = ctx
         self.settings = settings

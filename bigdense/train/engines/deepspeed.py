@@ -13,15 +13,17 @@ from ..clip import clip_grad_norm_
 from ..precision import any_rank
 from ..schedule import build_lr_schedule
 from . import ds_compat
+from ...validation import ConfigError, check_choice
 from .base import Engine, EngineSettings, StepResult, mesh_group, param_groups
 
 _INPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ZERO_STAGES = (0, 1, 2)  # engine.zero_stage (stage 3 shards parameters, which TP already does)
 
 
 def _power_of_two(key: str, value: float) -> int:
     exponent = math.log2(value) if value > 0 else float("nan")
     if not (math.isfinite(exponent) and exponent == int(exponent)):
-        raise ValueError(f"{key}={value} must be a power of two for engine.kind=deepspeed (its initial_scale_power)")
+        raise ConfigError(f"{key}={value} must be a power of two for engine.kind=deepspeed (its initial_scale_power)")
     return int(exponent)
 
 
@@ -70,18 +72,22 @@ class DSEngine(Engine):
 
     kind = "deepspeed"
 
+    @classmethod
+    def check_config(cls, settings: EngineSettings, device_type: str) -> None:
+        check_choice("engine.zero_stage", settings.engine.zero_stage, ZERO_STAGES)
+        if settings.precision.dtype == "fp16":
+            if device_type == "cpu":
+                raise ConfigError("precision=fp16 with engine=deepspeed needs a GPU: DeepSpeed's CPU accelerator has "
+                                  "no fp16 support; use precision=bf16, or engine=ddp")
+            _power_of_two("precision.init_scale", float(settings.precision.init_scale))
+
     def __init__(self, model, ctx, settings: EngineSettings):
         super().__init__(model, ctx, settings)
         import deepspeed  # noqa: F401  (fails here, naming the missing package, before any work)
 
         mpu = ds_compat.DeepSpeedMPU(ctx)
         dtype, optim_cfg = self.precision_name, settings.optim
-        if dtype == "fp16" and ctx.device.type == "cpu":
-            raise ValueError("precision.dtype=fp16 with engine.kind=deepspeed needs a GPU: DeepSpeed's CPU accelerator "
-                             "has no fp16; use precision=bf16 or engine=ddp")
         stage = int(settings.engine.zero_stage)
-        if stage not in (0, 1, 2):
-            raise ValueError(f"engine.zero_stage={stage} is not one of [0, 1, 2]")
         self.grad_clip = float(optim_cfg.grad_clip)
         self.own_clip = ds_compat.bigdense_clips(stage)
         config = _ds_config(settings, stage, clip_in_deepspeed=not self.own_clip)

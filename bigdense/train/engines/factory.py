@@ -6,11 +6,22 @@ from typing import Optional
 import torch.nn as nn
 
 from ...parallel.context import ParallelContext, get_default_context
+from ...validation import check_choice
 from .base import Engine, EngineSettings
 from .ddp import DDPEngine
 from .deepspeed import DSEngine
 
 ENGINES = {"ddp": DDPEngine, "deepspeed": DSEngine}  # engine.kind -> class
+
+
+def engine_class(kind: str) -> type[Engine]:
+    """The class ``engine.kind`` names."""
+    return ENGINES[check_choice("engine.kind", str(kind), ENGINES)]
+
+
+def check_engine(settings: EngineSettings, device_type: str) -> None:
+    """Every engine rule for these settings on ``device_type``, without building anything."""
+    engine_class(settings.engine.kind).check_config(settings, device_type)
 
 
 def build_engine(
@@ -37,7 +48,4 @@ def build_engine(
     if settings is None:
         settings = EngineSettings(engine=engine_cfg, optim=optim_cfg, precision=precision_cfg,
                                   micro_batch_size=micro_batch_size, grad_accum=grad_accum, max_steps=max_steps)
-    kind = str(settings.engine.kind)
-    if kind not in ENGINES:
-        raise ValueError(f"engine.kind={kind!r} is not one of {list(ENGINES)}")
-    return ENGINES[kind](model, ctx, settings)
+    return engine_class(settings.engine.kind)(model, ctx, settings)
