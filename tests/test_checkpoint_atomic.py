@@ -88,6 +88,12 @@ def test_a_save_killed_midway_leaves_latest_on_the_previous_complete_checkpoint(
         # left behind and refused; if rank 1 died, the surviving rank 0 removed it.
         if crash_point == "before-rename":
             assert len(leftovers) == 1
+            # Every file and the manifest were written: resuming by the checkpoint's name finds the
+            # complete copy under its temporary name and loads it where it is.
+            torch.manual_seed(6)
+            resumed = TinyLM()
+            resumed_opt, _ = make_optimizer(resumed)
+            assert bd.load_checkpoint(tmp_path / "step_2", resumed, resumed_opt).step == 2
         # mid-shard: rank 1 died, so either rank 0 removed the directory or it is left: both fine.
         for leftover in leftovers:
             with pytest.raises(bd.CheckpointError, match="unfinished save"):
@@ -135,9 +141,15 @@ def test_a_resave_killed_between_its_renames_rolls_forward(tmp_path):
     torch.manual_seed(5)
     model = TinyLM()
     opt, _ = make_optimizer(model)
-    # The new copy is complete (its manifest was written before the swap): it is what loads...
+    # The new copy is complete (its manifest was written before the swap): it is what loads, through
+    # `latest` and by the checkpoint's own name alike...
     assert bd.load_checkpoint(tmp_path / "latest", model, opt).step == 2
-    assert_matches_reference(model, opt, reference, "loaded from the copy a dead re-save left")
+    assert_matches_reference(model, opt, reference, "loaded through latest from the copy a dead re-save left")
+    torch.manual_seed(6)
+    by_name = TinyLM()
+    by_name_opt, _ = make_optimizer(by_name)
+    assert bd.load_checkpoint(tmp_path / "last", by_name, by_name_opt).step == 2
+    assert_matches_reference(by_name, by_name_opt, reference, "loaded by name from the copy a dead re-save left")
     # ...and the next save of that name moves it into place before writing.
     bd.save_checkpoint(tmp_path / "last", model, opt, step=3)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

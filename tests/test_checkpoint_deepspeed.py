@@ -10,18 +10,18 @@ trip shows the saved fp32 masters (not the bf16 weights) are what come back.
 import sys
 from pathlib import Path
 
-import pytest
+import deepspeed
 import torch
 
 import bigdense as bd
 from bigdense.parallel import comm
 from bigdense.testing import run_ranks
 
-deepspeed = pytest.importorskip("deepspeed")
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from ckpt_common import (  # noqa: E402
-    TinyLM, assert_matches_reference, batch, full_states, make_optimizer, shard_specs, train_steps,
+    TinyLM, assert_matches_reference, batch, full_states, make_optimizer, train_steps,
 )
+from helpers import shard_specs  # noqa: E402
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 

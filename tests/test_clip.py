@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import bigdense as bd
 from bigdense.testing import run_ranks
 
-from helpers import assert_close
+from helpers import assert_close, shard_specs
 
 TOL = dict(rtol=1e-5, atol=1e-7)
 GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -64,15 +64,6 @@ class TiedLM(nn.Module):
         return self.head.loss(h, target)
 
 
-def _shard_specs(model):
-    specs = {}
-    for mod_name, mod in model.named_modules():
-        if hasattr(mod, "bd_shard_specs"):
-            for name, spec in mod.bd_shard_specs().items():
-                specs[f"{mod_name}.{name}" if mod_name else name] = spec
-    return specs
-
-
 def _inputs(kind, seed):
     g = torch.Generator().manual_seed(seed)
     if kind == "tied":
@@ -109,7 +100,7 @@ def _compare_with_twin(tp, rank):
         assert_close(total, expected, f"{what}: norm", **TOL)
 
         twin_params = dict(twin.named_parameters())
-        specs = _shard_specs(model)
+        specs = shard_specs(model)
         for name, p in model.named_parameters():
             full = twin_params[name].grad
             want = specs[name].slice_of(full) if name in specs else full

@@ -16,8 +16,7 @@ import bigdense as bd
 from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
 from bigdense.testing import run_ranks
 
-from helpers import assert_close
-from test_recompute import TinyNet
+from helpers import TinyNet, assert_close
 
 G, T, D = 4, 3, 16  # global rows per micro-batch, tokens per row, width
 STEPS, ACCUM, INJECT = 6, 2, 3  # INJECT: the step whose forward gets an inf on one rank

@@ -1,5 +1,7 @@
-"""Dense-layer RMS statistics describe the unsharded model: the same numbers at tp=1 and tp=2."""
+"""Dense-layer RMS statistics describe the unsharded model: at tp=1 they equal a direct computation
+on the tensors (recorded here with the test's own hooks), and tp=2 gives the same numbers."""
 import json
+import math
 
 import torch
 
@@ -9,20 +11,47 @@ from bigdense.testing import run_ranks
 from bigdense.train.metrics import DenseLayerStats, MetricsLog, plot_loss_curve
 
 
-def _stats(tp):
+def _rms(t):
+    return math.sqrt(t.detach().double().square().mean().item())
+
+
+def _stats(tp, direct=None):
+    """The statistics at ``tp``; with a ``direct`` dict (tp=1 only) also fill it with the RMS of the
+    same tensors computed here: weights and gradients read off the parameters, activations taken
+    by this test's own hooks on every dense layer (input and non-scalar output)."""
     ctx = bd.init_parallel(tp=tp)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=101, d_model=32, n_layers=1, n_heads=2, max_seq_len=8, dropout=0.0),
                 tp_group=ctx.tp_group)
     stats = DenseLayerStats(model, ctx.tp_group)
+    dense = {name: m for name, m in model.named_modules()
+             if isinstance(m, (bd.TensorParallelModule, torch.nn.Linear, torch.nn.Embedding))}
+    if direct is not None:
+        for name, m in dense.items():
+            def record(mod, inputs, out, name=name):
+                if inputs and inputs[0].is_floating_point():
+                    direct[f"rms/{name}/act_in"] = _rms(inputs[0])
+                if out.is_floating_point() and out.dim() > 0:
+                    direct[f"rms/{name}/act"] = _rms(out)
+            m.register_forward_hook(record)
     stats.capture = True
     idx = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(1))
     model(idx, idx).backward()
+    if direct is not None:
+        for name, m in dense.items():
+            if isinstance(getattr(m, "weight", None), torch.Tensor):
+                direct[f"rms/{name}/weight"], direct[f"rms/{name}/grad"] = _rms(m.weight), _rms(m.weight.grad)
     return stats.collect()
 
 
 def test_rms_statistics_are_those_of_the_unsharded_model():
-    reference = _stats(1)
+    direct = {}
+    reference = _stats(1, direct)
+    # fp32 sums of squares against fp64 ones over a few thousand entries: 1e-5 relative is ~100x the
+    # rounding; a shard counted twice or missed is off by 30% or more.
+    assert reference.keys() == direct.keys()
+    for key, value in reference.items():
+        assert abs(value - direct[key]) <= 1e-5 * direct[key], (key, value, direct[key])
     # Every dense layer's weight and grad; activations in and out, sharded ones included.
     for key in ("blocks.0.attn.qkv/act", "blocks.0.attn.out/act_in", "blocks.0.mlp/act_in", "head/act_in",
                 "head/grad", "tok_emb/act", "blocks.0.mlp.up/weight"):

@@ -10,7 +10,7 @@ import bigdense as bd
 from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
 from bigdense.testing import run_ranks
 
-from test_recompute import TinyNet
+from helpers import TinyNet
 
 
 def test_scaler_growth_backoff_min_and_state():

@@ -5,10 +5,8 @@ recompute; the recompute replays the same ops in the same order on the same inpu
 may differ by even one ulp: the comparison is ``torch.equal``. Each mode is checked at tp=1 (this
 process) and tp=2 (two gloo ranks), and a forward-call count proves the recompute really ran.
 
-`TinyNet` (also used by the precision and engine tests) is a stack of transformer-shaped blocks
-built only from foundation layers: ``attn`` (column -> GELU -> dropout on the *sharded* hidden
-units -> row) and ``mlp`` (column -> GELU -> row -> dropout on the *replicated* output), each
-behind a LayerNorm with a residual; the loss is the MSE against a target.
+The model is `helpers.TinyNet`, whose blocks have an ``attn`` with dropout on *sharded* hidden
+units and an ``mlp`` with dropout on its *replicated* output.
 """
 import contextlib
 from types import SimpleNamespace
@@ -16,58 +14,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import bigdense as bd
 from bigdense.testing import run_ranks
 
-from helpers import assert_close
+from helpers import TinyNet, assert_close
 
 MODES = ("none", "full", "mlp", "every_k")
-
-
-class Mixer(nn.Module):
-    """Attention stand-in: dropout inside the TP region, on this rank's slice of the hidden units."""
-
-    def __init__(self, d, h, p):
-        super().__init__()
-        self.up, self.down, self.p, self.h = bd.ColumnParallelLinear(d, h), bd.RowParallelLinear(h, d), p, h
-
-    def forward(self, x):
-        a = F.gelu(self.up(x))
-        a = bd.tp_dropout(a, self.p, self.training, shard_dim=-1, global_size=self.h, offset=self.up.partition_start)
-        return self.down(a)
-
-
-class MLP(nn.Module):
-    def __init__(self, d, h, p):
-        super().__init__()
-        self.up, self.down, self.p = bd.ColumnParallelLinear(d, h), bd.RowParallelLinear(h, d), p
-
-    def forward(self, x):
-        return bd.tp_dropout(self.down(F.gelu(self.up(x))), self.p, self.training)
-
-
-class Block(nn.Module):
-    def __init__(self, d, h, p):
-        super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(d), Mixer(d, h, p)
-        self.ln2, self.mlp = nn.LayerNorm(d), MLP(d, h, p)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class TinyNet(nn.Module):
-    def __init__(self, d=16, h=24, n_blocks=4, p=0.2):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d, h, p) for _ in range(n_blocks))
-
-    def forward(self, x, y):
-        for block in self.blocks:
-            x = block(x)
-        return F.mse_loss(x, y)
 
 
 def _count_forwards(model):

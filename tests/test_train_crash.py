@@ -1,4 +1,4 @@
-"""Issue 5, point 4, through the real entry point: `torchrun --max-restarts=1 launch/train.py`,
+"""Crash recovery through the real entry point: `torchrun --max-restarts=1 launch/train.py`,
 one rank SIGKILLed in the middle of training, the job restarts, resumes from the last complete
 checkpoint of its run directory, and ends with exactly the weights of a run never interrupted."""
 import os

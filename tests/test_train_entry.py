@@ -17,9 +17,9 @@ from helpers import BIN, ROOT, TRAIN
 LAUNCH_TIMEOUT = 300
 
 
-def run(cmd, **kw):
+def run(cmd, cwd=ROOT, **kw):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, **kw)
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, **kw)
     return out.returncode, out.stdout + out.stderr
 
 
@@ -56,12 +56,16 @@ def test_one_process_trains_evaluates_saves_plots_and_resumes(tmp_path, small):
     assert [r["step"] for r in records(run_dir, "train")] == [2, 4, 6]
 
 
-def test_torchrun_two_processes_default_is_tp2(tmp_path, small):
-    code, out = run(torchrun(2, *small, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}"))
+def test_torchrun_two_processes_default_is_tp2_in_the_default_run_directory(tmp_path, small):
+    # No hydra.run.dir: the run directory is outputs/torchrun-<rendezvous id> under the working
+    # directory, one directory that both ranks share.
+    code, out = run(torchrun(2, *small, "trainer.max_steps=2"), cwd=tmp_path)
     assert code == 0, out
     assert "mesh tp=2 x dp=1" in out
-    assert (tmp_path / "checkpoints" / "latest").exists()
-    assert (tmp_path / "train_rank0.log").exists() and (tmp_path / "train_rank1.log").exists()
+    runs = list((tmp_path / "outputs").iterdir())
+    assert len(runs) == 1 and runs[0].name.startswith("torchrun-"), runs
+    assert (runs[0] / "checkpoints" / "latest").exists() and (runs[0] / "metrics.jsonl").exists()
+    assert (runs[0] / "train_rank0.log").exists() and (runs[0] / "train_rank1.log").exists()
 
 
 @pytest.mark.parametrize(

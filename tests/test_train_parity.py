@@ -1,4 +1,4 @@
-"""Issue 4, point 8: 20 steps of the reference GPT (fp32, dropout on) give the same losses at
+"""Layout-independent training: 20 steps of the reference GPT (fp32, dropout on) give the same losses at
 tp=1, tp=2, tp=2 x dp=2 (DDP) and DeepSpeed ZeRO-1 at tp=2.
 
 Every layout sees the same global batches (the sampler is a pure function of the step; DP ranks

@@ -27,16 +27,11 @@ Gradient strategy (``strategy=``):
 * ``"recompute"`` (always used for ``reduction="none"``, whose gradient is per token): the forward
   keeps only ``lse`` (N floats); the backward recomputes each chunk's logits: four matmuls.
 
-Measured with ``python -m bigdense.bench.head --contenders unsharded,bigdense,dtensor,bigdense-recompute``
-(1024 -> 131,072 classes, 4,096 tokens, fp32, bias, mean; tp=2 on two 1-thread gloo processes;
-automatic chunk of 256 tokens; this 2-core machine, quiet; median of 3)::
+``python -m bigdense.bench.head --contenders unsharded,bigdense,dtensor,bigdense-recompute`` measures
+both strategies (time and peak memory per rank); the README records the figures.
 
-    strategy     fwd+bwd    CPU s / rank   peak RSS / rank
-    forward      16.33 s       16.21           0.94 GB
-    recompute    22.33 s       22.15           0.96 GB
-
-``"forward"`` is the default: a third less time (the fourth matmul and a second softmax pass are
-gone) for the same peak memory -- in both, the peak is the weight, its gradient and one chunk of
+``"forward"`` is the default: less time (the fourth matmul and a second softmax pass are gone)
+for the same peak memory -- in both, the peak is the weight, its gradient and one chunk of
 logits; only *when* the gradient buffer appears differs. Its cost is that the gradients exist
 from the forward on, and a loss can only be backpropagated once.
 """
@@ -251,10 +246,11 @@ def _cast(h, weight, bias, dtype):
 
 def _logits(hc, wc, bc, buffer: Optional[torch.Tensor]) -> torch.Tensor:
     """fp32 logits of one chunk, classes-major: (C_local, n), computed in the operands' dtype (as
-    autocast would). ``W h^T`` measured 7% faster than ``h W^T`` for this shape on CPU (MKL), and
-    the weight gradient ``zt @ h`` 3% faster than ``z^T @ h``; reductions over classes become
-    column reductions, equally cheap. fp32 logits land in ``buffer`` (one allocation per call,
-    reused by every chunk: a fresh 64 MiB block per chunk costs its page faults, ~7% here)."""
+    autocast would). Classes-major because ``W h^T`` and the weight gradient ``zt @ h`` are the
+    faster GEMM layouts for these shapes on CPU (MKL) than ``h W^T`` and ``z^T @ h``; reductions
+    over classes become column reductions, equally cheap. fp32 logits land in ``buffer`` (one
+    allocation per call, reused by every chunk: a fresh multi-MiB block per chunk pays its page
+    faults every time)."""
     shape = (wc.shape[0], hc.shape[0])
     if wc.dtype == torch.float32 and buffer is not None:
         out = buffer[: shape[0] * shape[1]].view(shape)

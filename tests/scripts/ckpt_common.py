@@ -9,11 +9,17 @@ tests compare the checkpoint against an independent reference.
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 
 import bigdense as bd
 from bigdense.parallel import comm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for crash_train.py's subprocesses
+from helpers import shard_specs  # noqa: E402
 
 VOCAB, D_MODEL, D_HIDDEN = 11, 6, 10
 
@@ -61,15 +67,6 @@ def train_steps(model, opt, sched, start: int, stop: int, scaler=None) -> list[f
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses
-
-
-def shard_specs(module):
-    specs = {}
-    for prefix, sub in module.named_modules():
-        if hasattr(sub, "bd_shard_specs"):
-            for name, spec in sub.bd_shard_specs().items():
-                specs[f"{prefix}.{name}" if prefix else name] = spec
-    return specs
 
 
 def local_states(model, opt=None) -> dict[str, torch.Tensor]:
