@@ -7,6 +7,7 @@ the plain PyTorch twin of the model: the exported file loads into it with ``load
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
@@ -99,54 +100,61 @@ def load_dense_state_dict(
         optimizer = engine.optimizer
     ctx = current_context()
     source = str(state_dict) if isinstance(state_dict, (str, os.PathLike)) else "the state dict"
+    plan = agree(f"load_dense_state_dict({source})",
+                 lambda: _plan_dense_load(module, state_dict, source, strict, ctx.tp_rank, ctx.tp_size))
+    agree(f"load_dense_state_dict({source}): applying", lambda: _apply_dense_load(plan, state_dict, optimizer))
+    return plan.missing
 
-    def plan():
-        reader = SafetensorsReader(state_dict) if isinstance(state_dict, (str, os.PathLike)) else None
-        try:
-            keys = set(reader.header) if reader is not None else set(state_dict)
-            model_state = model_pieces(module, ctx.tp_rank, ctx.tp_size)
-            sources, missing = {}, []
-            for name, piece in model_state.pieces.items():
-                found = [n for n in [name, *[a for a, t in model_state.aliases.items() if t == name]] if n in keys]
-                if not found:
-                    missing.append(name)
-                    continue
-                shape = reader.describe(found[0])[1] if reader is not None else tuple(state_dict[found[0]].shape)
-                if tuple(shape) != piece.global_shape:
-                    raise CheckpointError(
-                        f"{source}: tensor {found[0]!r} has shape {list(shape)}, the model needs the global shape "
-                        f"{list(piece.global_shape)}"
-                    )
-                sources[name] = found[0]
-            known = set(model_state.pieces) | set(model_state.aliases)
-            unexpected = sorted(keys - known)
-            if strict and (missing or unexpected):
+
+@dataclass
+class _DenseLoadPlan:
+    reader: Optional[SafetensorsReader]  # the memory-mapped file, or None for an in-memory state dict
+    model_state: object  # `model_pieces` of the model
+    sources: dict[str, str]  # model tensor name -> key in the state dict
+    missing: list[str]  # model tensors the state dict lacks
+
+
+def _plan_dense_load(module, state_dict, source: str, strict: bool, tp_rank: int, tp_size: int) -> _DenseLoadPlan:
+    """Match the state dict's names and global shapes to the model's pieces; modifies nothing."""
+    reader = SafetensorsReader(state_dict) if isinstance(state_dict, (str, os.PathLike)) else None
+    try:
+        keys = set(reader.header) if reader is not None else set(state_dict)
+        model_state = model_pieces(module, tp_rank, tp_size)
+        sources, missing = {}, []
+        for name, piece in model_state.pieces.items():
+            found = [n for n in [name, *[a for a, t in model_state.aliases.items() if t == name]] if n in keys]
+            if not found:
+                missing.append(name)
+                continue
+            shape = reader.describe(found[0])[1] if reader is not None else tuple(state_dict[found[0]].shape)
+            if tuple(shape) != piece.global_shape:
                 raise CheckpointError(
-                    f"{source} does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
+                    f"{source}: tensor {found[0]!r} has shape {list(shape)}, the model needs the global shape "
+                    f"{list(piece.global_shape)}"
                 )
-        except BaseException:
-            if reader is not None:
-                reader.close()
-            raise
-        return reader, model_state, sources, missing
+            sources[name] = found[0]
+        unexpected = sorted(keys - set(model_state.pieces) - set(model_state.aliases))
+        if strict and (missing or unexpected):
+            raise CheckpointError(f"{source} does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    except BaseException:
+        if reader is not None:
+            reader.close()
+        raise
+    return _DenseLoadPlan(reader, model_state, sources, missing)
 
-    reader, model_state, sources, missing = agree(f"load_dense_state_dict({source})", plan)
 
-    def apply():
-        try:
-            with torch.no_grad():
-                for name, key in sources.items():
-                    piece = model_state.pieces[name]
-                    full = reader.view(key) if reader is not None else state_dict[key]
-                    zero = [0] * full.dim()
-                    piece.tensor.copy_(narrow_box(full, zero, piece.offsets, piece.shape))
-        finally:
-            if reader is not None:
-                reader.close()
-        adapter = resolve_optimizer(optimizer, None)
-        if adapter is not None:
-            adapter.load(model_state, None, {})  # derived state (DeepSpeed's fp32 masters) follows the weights
-
-    agree(f"load_dense_state_dict({source}): applying", apply)
-    return missing
-
+def _apply_dense_load(plan: _DenseLoadPlan, state_dict, optimizer) -> None:
+    """Copy each rank's slice into its parameters, closing the file; derived optimizer state
+    (DeepSpeed's fp32 masters) follows the weights."""
+    try:
+        with torch.no_grad():
+            for name, key in plan.sources.items():
+                piece = plan.model_state.pieces[name]
+                full = plan.reader.view(key) if plan.reader is not None else state_dict[key]
+                piece.tensor.copy_(narrow_box(full, [0] * full.dim(), piece.offsets, piece.shape))
+    finally:
+        if plan.reader is not None:
+            plan.reader.close()
+    adapter = resolve_optimizer(optimizer, None)
+    if adapter is not None:
+        adapter.load(plan.model_state, None, {})

@@ -70,28 +70,7 @@ def clip_grad_norm_(
     grads = [p.grad for p in params]
     # A rank without gradients still joins the all-reduce, on the device its collectives use.
     device = grads[0].device if grads else (every[0].device if every else torch.device("cpu"))
-    first_tp_rank = comm.group_rank(group) == 0
-
-    if math.isinf(norm_type):
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            if g.numel():
-                local = torch.maximum(local, g.detach().abs().max().float())
-        # gloo/NCCL MAX may keep or drop a nan depending on operand order; inf survives either way.
-        local = torch.nan_to_num(local, nan=math.inf, posinf=math.inf)
-        total = comm.all_reduce_(local, group, op=dist.ReduceOp.MAX)
-    else:
-        sharded = torch.zeros((), dtype=torch.float32, device=device)
-        replicated = torch.zeros((), dtype=torch.float32, device=device)
-        for p, g in zip(params, grads):
-            term = torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).pow(norm_type)
-            if is_tp_sharded(p):
-                sharded = sharded + term
-            else:
-                replicated = replicated + term
-        # 0 * inf = nan: a non-finite replicated gradient on any TP rank still poisons the sum.
-        local = sharded + replicated * (1.0 if first_tp_rank else 0.0)
-        total = comm.all_reduce_(local, group).pow(1.0 / norm_type)
+    total = _total_norm(params, grads, norm_type, group, device)
 
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
@@ -104,3 +83,28 @@ def clip_grad_norm_(
         for g in grads:
             g.mul_(coef.to(device=g.device, dtype=g.dtype))
     return total
+
+
+def _total_norm(params, grads, norm_type: float, group, device) -> torch.Tensor:
+    """The global ``norm_type``-norm of ``grads`` (one all-reduce over ``group``), as documented in
+    `clip_grad_norm_`: sharded gradients summed over TP, replicated ones counted on TP rank 0."""
+    first_tp_rank = comm.group_rank(group) == 0
+    if math.isinf(norm_type):
+        local = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            if g.numel():
+                local = torch.maximum(local, g.detach().abs().max().float())
+        # gloo/NCCL MAX may keep or drop a nan depending on operand order; inf survives either way.
+        local = torch.nan_to_num(local, nan=math.inf, posinf=math.inf)
+        return comm.all_reduce_(local, group, op=dist.ReduceOp.MAX)
+    sharded = torch.zeros((), dtype=torch.float32, device=device)
+    replicated = torch.zeros((), dtype=torch.float32, device=device)
+    for p, g in zip(params, grads):
+        term = torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).pow(norm_type)
+        if is_tp_sharded(p):
+            sharded = sharded + term
+        else:
+            replicated = replicated + term
+    # 0 * inf = nan: a non-finite replicated gradient on any TP rank still poisons the sum.
+    local = sharded + replicated * (1.0 if first_tp_rank else 0.0)
+    return comm.all_reduce_(local, group).pow(1.0 / norm_type)
