@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import bigdense as bd
@@ -15,6 +16,8 @@ SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import crash_train  # noqa: E402
 from ckpt_common import TinyLM, local_states, make_optimizer  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a torchrun job killed and restarted
 
 
 def _final_state(ckpt):

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import deepspeed
+import pytest
 import torch
 
 import bigdense as bd
@@ -22,6 +23,8 @@ from ckpt_common import (  # noqa: E402
     TinyLM, assert_matches_reference, batch, full_states, make_optimizer, train_steps,
 )
 from helpers import shard_specs  # noqa: E402
+
+pytestmark = pytest.mark.slow  # DeepSpeed engines at several layouts
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 

@@ -133,6 +133,7 @@ def _rank_deepspeed(tp, cases):
     return {case: _train("deepspeed", zero_stage=case[0], dtype=case[1]) for case in cases}
 
 
+@pytest.mark.slow  # DeepSpeed engines built at several stages in several ranks
 def test_deepspeed_tp2_zero_0_1_2_match_single_process():
     ref = _reference()
     cases = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (0, "bf16"), (1, "bf16")]
@@ -151,6 +152,7 @@ def test_deepspeed_tp2_zero_0_1_2_match_single_process():
                 _compare(name, got, ref, tol=dict(rtol=6e-2 if stage == 0 else 1.5e-2, atol=0.0))
 
 
+@pytest.mark.slow  # DeepSpeed engines built at several stages in several ranks
 def test_deepspeed_tp2_dp2_zero_0_1_2_match_single_process():
     ref = _reference()
     results = run_ranks(_rank_deepspeed, 4, 2, [(0, "fp32"), (1, "fp32"), (2, "fp32")], timeout=300)
@@ -230,6 +232,7 @@ def _resume_rank(cases, tmp):
     return out
 
 
+@pytest.mark.slow  # DeepSpeed engines built at several stages in several ranks
 def test_checkpoint_state_resumes_exactly(tmp_path):
     cases = [("ddp", 0, "fp32"), ("deepspeed", 0, "fp32"), ("deepspeed", 1, "fp32"), ("deepspeed", 2, "fp32"),
              ("deepspeed", 1, "bf16")]

@@ -8,12 +8,15 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 from safetensors.torch import load_file
 
 import bigdense as bd
 
 from helpers import BIN, ROOT, TRAIN
+
+pytestmark = pytest.mark.slow  # a torchrun job killed and restarted
 
 STEPS, SAVE_EVERY, KILL_AFTER = 30, 5, 10
 

@@ -14,6 +14,8 @@ import pytest
 
 from helpers import BIN, ROOT, TRAIN
 
+pytestmark = pytest.mark.slow  # each case launches launch/train.py in fresh processes
+
 LAUNCH_TIMEOUT = 300
 
 

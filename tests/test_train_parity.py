@@ -10,12 +10,15 @@ normalised updates can carry rounding forward. A wrong mask, a missed reduction 
 double-counted gradient moves the loss by 1e-3 or more within a few steps.
 """
 import numpy as np
+import pytest
 import torch
 
 import bigdense as bd
 from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
 from bigdense.models import GPT, GPTConfig
 from bigdense.testing import run_ranks
+
+pytestmark = pytest.mark.slow  # 20 steps of the GPT at four layouts
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 20, 4, 32, 515  # 515: uneven over TP=2
 
