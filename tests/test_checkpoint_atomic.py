@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import struct
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +19,7 @@ import bigdense as bd
 from bigdense.checkpoint import save as save_module
 from bigdense.testing import RankError, run_ranks
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from ckpt_common import (  # noqa: E402
+from helpers import (
     TinyLM, assert_matches_reference, full_states, local_states, make_optimizer, train_steps,
 )
 

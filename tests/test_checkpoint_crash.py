@@ -12,10 +12,11 @@ import torch
 import bigdense as bd
 from bigdense.testing import run_ranks
 
+from helpers import TinyLM, local_states, make_optimizer
+
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import crash_train  # noqa: E402
-from ckpt_common import TinyLM, local_states, make_optimizer  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a torchrun job killed and restarted
 

@@ -7,8 +7,6 @@ collectives) and compared bit for bit with the reference; so are its fp32 master
 must follow the loaded model weights or the next step would undo the load. A bf16 ZeRO-1 round
 trip shows the saved fp32 masters (not the bf16 weights) are what come back.
 """
-import sys
-from pathlib import Path
 
 import deepspeed
 import pytest
@@ -18,11 +16,9 @@ import bigdense as bd
 from bigdense.parallel import comm
 from bigdense.testing import run_ranks
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from ckpt_common import (  # noqa: E402
-    TinyLM, assert_matches_reference, batch, full_states, make_optimizer, train_steps,
+from helpers import (
+    TinyLM, assert_matches_reference, batch, full_states, make_optimizer, shard_specs, train_steps,
 )
-from helpers import shard_specs  # noqa: E402
 
 pytestmark = pytest.mark.slow  # DeepSpeed engines at several layouts
 

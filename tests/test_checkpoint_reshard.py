@@ -7,8 +7,6 @@ every tensor it holds (uneven shards included) with torch.equal against its slic
 """
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +16,7 @@ from safetensors.torch import load_file
 import bigdense as bd
 from bigdense.testing import run_ranks
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from ckpt_common import (  # noqa: E402
+from helpers import (
     TinyLM, assert_matches_reference, batch, full_states, make_optimizer, train_steps,
 )
 

@@ -7,8 +7,6 @@ position, passed as ``extra``. The resumed processes are seeded differently on p
 checkpoint can make them agree. Losses and weights must be bit-identical.
 """
 import random
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -16,8 +14,7 @@ import torch
 import bigdense as bd
 from bigdense.testing import run_ranks
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from ckpt_common import TinyLM, batch, local_states, make_optimizer  # noqa: E402
+from helpers import TinyLM, batch, local_states, make_optimizer
 
 
 def _setup(seed):

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 import bigdense as bd  # noqa: E402
-from ckpt_common import TinyLM, batch, make_optimizer  # noqa: E402
+from helpers import TinyLM, batch, make_optimizer  # noqa: E402
 
 # Survivors of a dead peer give up after this long instead of waiting forever in a collective
 # (torchrun normally stops them much sooner, when it sees the peer die).
