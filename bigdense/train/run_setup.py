@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import validate
-from ..parallel.context import ParallelContext, init_parallel
+from ..parallel.context import ParallelContext, ParallelDims, init_parallel
 
 log = logging.getLogger("bigdense")
 
@@ -42,12 +42,8 @@ def start_run(cfg, hydra_output_dir: str) -> Run:
     _, world = launcher_world()
     use_cuda = torch.cuda.is_available() and cfg.parallel.backend in (None, "nccl")
     validate(cfg, world, "cuda" if use_cuda else "cpu")
-    ctx = init_parallel(
-        tp=cfg.parallel.tp if cfg.parallel.tp is not None else world,
-        dp=cfg.parallel.dp,
-        backend=cfg.parallel.backend,
-        timeout=cfg.parallel.timeout_s,
-    )
+    dims = ParallelDims.resolve(cfg.parallel.tp, cfg.parallel.dp, world)
+    ctx = init_parallel(tp=dims.tp, dp=dims.dp, backend=cfg.parallel.backend, timeout=cfg.parallel.timeout_s)
     # Every rank gets the same seed: TP-invariant initialisation and dropout rely on the ranks of a
     # TP group drawing the same numbers; data order comes from its own generator.
     seed_everything(cfg.trainer.seed)
