@@ -9,11 +9,11 @@ import math
 
 import torch
 
+from ...validation import ConfigError, check_choice
 from ..clip import clip_grad_norm_
 from ..precision import any_rank
 from ..schedule import build_lr_schedule
 from . import ds_compat
-from ...validation import ConfigError, check_choice
 from .base import Engine, EngineSettings, StepResult, mesh_group, param_groups
 
 _INPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
