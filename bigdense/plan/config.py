@@ -1,8 +1,7 @@
 """From the training job's Hydra config to a `Layout`, an `Estimate`, and ranked layouts that fit.
 
-The config is checked by the training job's own `bigdense.config.validate` (and the data group's
-checks), for the planned number of devices, so the planner refuses exactly what the job would.
-Candidates of `suggest` are checked the same way before they are estimated.
+The config is checked by the training job's own `bigdense.config.validate`, for the planned
+number of devices, so the planner refuses exactly what the job would. Candidates of `suggest` are checked the same way before they are estimated.
 """
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ..config import ConfigError, validate, validate_plan
+from ..parallel.context import ParallelDims
 from .estimate import GiB, Estimate, estimate
 from .layout import Layout
 
@@ -26,21 +26,18 @@ def planned_devices(cfg, plan) -> int:
 
 def check(cfg, plan) -> int:
     """Validate ``cfg`` as `launch/train.py` would on ``plan.devices`` processes; return that count."""
-    from ..data.prepare import _validate as validate_data
-
     validate_plan(plan)
     devices = planned_devices(cfg, plan)
     # The bf16 capability check reads the local GPU; a plan for remote GPUs cannot make it.
     local = plan.device_type if (plan.device_type == "cpu" or torch.cuda.is_available()) else "remote"
-    validate(cfg, devices, local)
-    validate_data(cfg.data)
+    validate(cfg, devices, local)  # the data group's rules included
     return devices
 
 
 def layout_of(cfg, plan, devices: int) -> Layout:
-    tp = cfg.parallel.tp if cfg.parallel.tp is not None else devices
+    dims = ParallelDims.resolve(cfg.parallel.tp, cfg.parallel.dp, devices)
     return Layout(
-        tp=int(tp), dp=int(cfg.parallel.dp if cfg.parallel.dp is not None else devices // tp),
+        tp=dims.tp, dp=dims.dp,
         precision=str(cfg.precision.dtype), engine=str(cfg.engine.kind), zero_stage=int(cfg.engine.zero_stage),
         micro_batch_size=int(cfg.data.micro_batch_size), grad_accum=int(cfg.data.grad_accum),
         recompute=str(cfg.recompute.mode), recompute_every=int(cfg.recompute.every),
