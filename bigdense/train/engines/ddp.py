@@ -6,6 +6,7 @@ import inspect
 
 import torch
 
+from ...validation import check_positive
 from ..clip import clip_grad_norm_
 from ..precision import Precision, any_rank
 from ..schedule import build_lr_schedule
@@ -33,6 +34,10 @@ class DDPEngine(Engine):
     """
 
     kind = "ddp"
+
+    @classmethod
+    def check_config(cls, settings: EngineSettings, device_type: str) -> None:
+        check_positive("engine.bucket_cap_mb", settings.engine.bucket_cap_mb)
 
     def __init__(self, model, ctx, settings: EngineSettings):
         super().__init__(model, ctx, settings)
