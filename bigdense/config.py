@@ -16,6 +16,7 @@ from .layers.init import INITIALIZERS
 from .layers.mlp import ACTIVATIONS
 from .models import MODELS, GPTConfig
 from .parallel.context import ParallelDims
+from .train.checkpointing import check_checkpointing
 from .train.engines import EngineSettings
 from .train.engines.factory import check_engine
 from .train.precision import check_precision
@@ -129,6 +130,11 @@ class TrainerConfig:
     progress_bar: bool = True
     plot: bool = True  # write loss_curve.png at the end
     init_from: Optional[str] = None  # a checkpoint whose model weights start the run (any TP size; not resumed)
+    async_save: bool = True  # snapshot and return; write, hash and fsync in the background
+    keep_last: Optional[int] = None  # keep the newest N complete checkpoints (never `latest`); null: keep all
+    on_save_error: str = "continue"  # a failed save: "continue" (logged) or "stop"
+    checkpoint_verify: str = "node"  # checksums on load: once per "node", "first" reader, "all" readers, "none"
+    max_bad_steps: int = 10  # consecutive non-finite steps before rolling back to the last checkpoint (0: never)
 
 
 @dataclass
@@ -233,6 +239,7 @@ def validate(cfg, world_size: int, device_type: str) -> None:
         raise ConfigError(f"model.low_rank must be a mapping {{module path: rank}} or null, got {low_rank!r}")
     for path, rank in (low_rank or {}).items():
         check_positive(f"model.low_rank[{path}]", rank)
+    check_checkpointing(cfg.trainer)
     init_from = getattr(cfg.trainer, "init_from", None)
     if init_from and not os.path.exists(os.path.expanduser(str(init_from))):
         raise ConfigError(f"trainer.init_from={init_from!r} does not exist")

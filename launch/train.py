@@ -23,6 +23,8 @@ import bigdense as bd
 from bigdense.config import ConfigError, register_configs
 from bigdense.data import prepare_data
 from bigdense.train import EngineSettings, apply_recompute, build_engine
+from bigdense.train.checkpointing import RunCheckpoints, train_step_or_diagnose
+from bigdense.train.faults import BadSteps, CollectiveFailure, TrainingStopped
 from bigdense.train.run_setup import build_gpt, launcher_world, start_run
 from bigdense.train.metrics import DenseLayerStats, MetricsLog, peak_memory_gb, plot_loss_curve
 
@@ -49,6 +51,9 @@ def main(cfg) -> None:
             time.sleep(10)
         print(f"bigdense: bad config{f' (rank {rank})' if rank else ''}: {err}", file=sys.stderr)
         sys.exit(2)
+    except (TrainingStopped, CollectiveFailure) as err:  # a fault the run cannot continue past; a
+        print(f"bigdense: {err}", file=sys.stderr)         # launcher with restarts resumes from `latest`
+        sys.exit(1)
 
 
 def train(cfg) -> None:
@@ -72,35 +77,41 @@ def train(cfg) -> None:
 
     # 4. Resume from this run directory's last complete checkpoint, if any; else start from
     #    trainer.init_from's weights, if given.
-    start_step = 0
-    if tr.resume and (run.checkpoint_dir / "latest").exists():
-        meta = bd.load_checkpoint(run.checkpoint_dir / "latest", **engine.checkpoint_state())
-        start_step = meta.step
+    ckpts = RunCheckpoints(run.checkpoint_dir, engine, tr, cfg)
+    start_step, data_offset = 0, 0
+    resumed = ckpts.load_latest() if tr.resume else None
+    if resumed is not None:
+        start_step, data_offset = resumed
         log.info("resumed from %s at step %d", run.checkpoint_dir / "latest", start_step)
     elif tr.init_from:  # e.g. a checkpoint of `python -m bigdense.compress`, to fine-tune
         meta = bd.load_checkpoint(tr.init_from, model, load_rng=False)
         log.info("model weights from %s (saved at step %s)", tr.init_from, meta.step)
 
-    def save(step: int) -> None:
-        bd.save_checkpoint(run.checkpoint_dir / f"step_{step:07d}", **engine.checkpoint_state(),
-                           step=step, config=cfg, extra={"data_step": step})
-
-    # 5. The loop. The batch of a step is a pure function of (seed, step), so the step number is
-    #    the whole data position.
+    # 5. The loop. The batch of a step is a pure function of (seed, data position), and the data
+    #    position is the step plus an offset that only a rollback past bad batches moves.
+    bad_steps = BadSteps(tr.max_bad_steps)
     metrics = MetricsLog(run.run_dir, ctx.is_main)
     stats = DenseLayerStats(model, ctx.tp_group) if tr.log_rms else None
     tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * ctx.dp_size
     bar = tqdm(total=tr.max_steps, initial=start_step, disable=not (ctx.is_main and tr.progress_bar),
                dynamic_ncols=True, desc="train")
     window_start, window_steps, window_losses = time.perf_counter(), 0, []
-    for step in range(start_step + 1, tr.max_steps + 1):
-        micro_batches = [data.train_batch(step, m, ctx.dp_rank, ctx.dp_size) for m in range(cfg.data.grad_accum)]
+    step = start_step
+    while step < tr.max_steps:
+        step += 1
+        pos = step + data_offset
+        micro_batches = [data.train_batch(pos, m, ctx.dp_rank, ctx.dp_size) for m in range(cfg.data.grad_accum)]
         log_now = step % tr.log_interval == 0 or step == tr.max_steps
         if stats is not None:
             stats.capture = log_now
-        result = engine.train_step(micro_batches)
+        result = train_step_or_diagnose(engine, micro_batches, ctx, step)
         if stats is not None:
             stats.capture = False  # not through the evaluation that may follow
+        if bad_steps.record(step, pos, result.skipped):
+            step, data_offset = ckpts.rollback(bad_steps)
+            bar.reset(total=tr.max_steps)
+            bar.update(step)
+            continue
         window_steps += 1
         if not result.skipped:
             window_losses.append(result.loss)
@@ -130,14 +141,15 @@ def train(cfg) -> None:
             if ctx.is_main:
                 bar.write(f"step {step:5d} | held-out loss {eval_loss:.4f}")
         if tr.save_interval and step % tr.save_interval == 0 and step != tr.max_steps:
-            save(step)
+            ckpts.save(step, data_offset)
         if log_now:  # evaluation and saving stay out of the next interval's step time
             window_start, window_steps, window_losses = time.perf_counter(), 0, []
     bar.close()
 
     # 6. The final checkpoint, a held-out evaluation, the loss curve.
     if start_step < tr.max_steps:
-        save(tr.max_steps)
+        ckpts.save(tr.max_steps, data_offset)
+    ckpts.settle()
     eval_loss = evaluate(engine, data, ctx, tr.eval_batches)
     metrics.write({"kind": "eval", "step": tr.max_steps, "eval_loss": eval_loss})
     log.info("held-out loss %.4f (perplexity %.1f) after %d steps", eval_loss, math.exp(min(eval_loss, 50)), tr.max_steps)

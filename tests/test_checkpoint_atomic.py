@@ -3,7 +3,8 @@
 Crash points are forced by replacing one function of the save module inside one rank with a
 version that SIGKILLs the process there: in the middle of writing a shard file, after every file
 and the manifest are written but before the rename, and after the rename but before ``latest``
-moves. The previous complete checkpoint must stay what ``latest`` names and must load.
+moves; in a background save, while the training thread goes on. The previous complete
+checkpoint must stay what ``latest`` names and must load.
 """
 import json
 import os
@@ -44,6 +45,8 @@ def _tp2_after_one_step():
 
 
 def _save_then_crash(root, crash_point):
+    async_ = crash_point.startswith("async-")
+    crash_point = crash_point.removeprefix("async-")
     ctx, model, opt, sched = _tp2_after_one_step()
     bd.save_checkpoint(f"{root}/step_1", model, opt, step=1)
     reference = full_states(model, opt, ctx.tp_group)
@@ -58,11 +61,15 @@ def _save_then_crash(root, crash_point):
     if ctx.rank == 0:
         torch.save(reference, f"{root}/reference.pt")
     torch.distributed.barrier()
-    bd.save_checkpoint(f"{root}/step_2", model, opt, step=2)
+    handle = bd.save_checkpoint(f"{root}/step_2", model, opt, step=2, async_=async_)
+    if async_:  # the kill comes from the background thread while this one trains on
+        train_steps(model, opt, sched, 2, 3)
+        handle.wait()
     return "not killed"
 
 
-@pytest.mark.parametrize("crash_point", ["mid-shard", "before-rename", "before-latest"])
+@pytest.mark.parametrize("crash_point", ["mid-shard", "before-rename", "before-latest", "async-mid-shard",
+                                         "async-before-rename"])
 def test_a_save_killed_midway_leaves_latest_on_the_previous_complete_checkpoint(tmp_path, crash_point):
     with pytest.raises(RankError, match="died without reporting"):
         run_ranks(_save_then_crash, 2, str(tmp_path), crash_point, timeout=120, collective_timeout=20)
@@ -77,6 +84,7 @@ def test_a_save_killed_midway_leaves_latest_on_the_previous_complete_checkpoint(
     assert_matches_reference(model, opt, reference, "loaded at tp=1 after the crash")
 
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".step_2.tmp-")]
+    crash_point = crash_point.removeprefix("async-")
     if crash_point == "before-latest":
         assert leftovers == []  # the rename happened: step_2 is complete, merely not `latest` yet
         assert bd.load_checkpoint(tmp_path / "step_2", model, opt).step == 2

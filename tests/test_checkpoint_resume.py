@@ -9,6 +9,7 @@ checkpoint can make them agree. Losses and weights must be bit-identical.
 import random
 
 import numpy as np
+import pytest
 import torch
 
 import bigdense as bd
@@ -43,7 +44,7 @@ def _steps(model, opt, sched, scaler, pos, n):
     return losses, pos
 
 
-def _first_half(ckpt_dir):
+def _first_half(ckpt_dir, async_=False):
     ctx = bd.init_parallel(tp=2)
     model, opt, sched, scaler = _setup(seed=0)
     straight, _ = _steps(model, opt, sched, scaler, 0, 20)
@@ -51,9 +52,13 @@ def _first_half(ckpt_dir):
 
     model, opt, sched, scaler = _setup(seed=0)
     first, pos = _steps(model, opt, sched, scaler, 0, 10)
-    bd.save_checkpoint(f"{ckpt_dir}/step_10", model, opt, scheduler=sched, scaler=scaler,
-                       extra={"data_pos": pos}, step=10)
-    return ctx.rank, straight, straight_state, first, scaler.get_scale()
+    handle = bd.save_checkpoint(f"{ckpt_dir}/step_10", model, opt, scheduler=sched, scaler=scaler,
+                                extra={"data_pos": pos}, step=10, async_=async_)
+    scale_at_10 = scaler.get_scale()
+    if async_:  # steps after an asynchronous save must not reach it
+        _steps(model, opt, sched, scaler, pos, 2)
+        handle.wait()
+    return ctx.rank, straight, straight_state, first, scale_at_10
 
 
 def _second_half(ckpt_dir):
@@ -72,8 +77,9 @@ def _resume_with_fresh_rng_only(ckpt_dir):
     return _steps(model, opt, sched, scaler, info.extra["data_pos"], 3)[0]
 
 
-def test_resume_after_10_steps_matches_20_straight_steps_bit_for_bit(tmp_path):
-    first_run = run_ranks(_first_half, 2, str(tmp_path), timeout=120)
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_resume_after_10_steps_matches_20_straight_steps_bit_for_bit(tmp_path, async_):
+    first_run = run_ranks(_first_half, 2, str(tmp_path), async_, timeout=120)
     second_run = run_ranks(_second_half, 2, str(tmp_path), timeout=120)
     for before, after in zip(first_run, second_run):
         rank, straight, straight_state, first, scale_at_10 = before

@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 
 from ..durable import fsync_dir, hidden_sibling, replace_text_durably, write_bytes_durably
+from ..validation import check_positive_int
 from . import background
 from ._agree import agree, broadcast_object
 from .digest import digest_bytes
@@ -139,8 +140,8 @@ def _plan(path, model, optimizer, scheduler, scaler, extra, step, config, update
     final = Path(path)
     if final.name in ("", ".", "..", LATEST):
         raise CheckpointError(f"save_checkpoint: {str(path)!r} cannot name a checkpoint directory")
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-        raise CheckpointError(f"save_checkpoint: keep_last={keep_last!r} must be a positive integer or None")
+    if keep_last is not None:
+        check_positive_int("save_checkpoint: keep_last", keep_last, error=CheckpointError)
     module, engine = unwrap(model)
     ctx = current_context()
     adapter = resolve_optimizer(optimizer, engine)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import socket
 
+from ..validation import check_choice
+
 VERIFY_MODES = ("node", "first", "all", "none")
 
 
@@ -20,9 +22,7 @@ def verify_mode(verify) -> str:
         return "node"
     if verify is False:
         return "none"
-    if verify not in VERIFY_MODES:
-        raise ValueError(f"load_checkpoint: verify={verify!r} is not one of {list(VERIFY_MODES)} (or True/False)")
-    return verify
+    return check_choice("load_checkpoint: verify", verify, VERIFY_MODES, error=ValueError)
 
 
 def node_name() -> str:

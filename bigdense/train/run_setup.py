@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..config import validate
 from ..parallel.context import ParallelContext, ParallelDims, init_parallel
+from .faults import require_writable
 
 log = logging.getLogger("bigdense")
 
@@ -34,7 +35,8 @@ def launcher_world() -> tuple[int, int]:
 
 
 def start_run(cfg, hydra_output_dir: str) -> Run:
-    """Check the config, build the mesh, seed every generator, agree on the run directory.
+    """Check the config, build the mesh, seed every generator, agree on the run directory and make
+    sure its checkpoints/ can be written.
 
     The config is validated on every rank before the process group exists, so a bad value stops
     all ranks at once with the same message (raised as `ConfigError`).
@@ -52,8 +54,7 @@ def start_run(cfg, hydra_output_dir: str) -> Run:
         # Ranks may have started in different seconds; rank 0's directory is the run's.
         dist.broadcast_object_list(run_dir, src=0)
     run = Run(ctx, Path(run_dir[0]))
-    if ctx.is_main:
-        run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    require_writable(run.checkpoint_dir, ctx)  # made by rank 0; a ConfigError on every rank if it cannot be
     if not ctx.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     return run

@@ -1,0 +1,106 @@
+"""The training job's checkpoints: periodic saves (asynchronous by default), retention, what a
+failed save does, resuming, and rolling back after non-finite steps.
+
+A save waits for the one in flight first (at most one is in flight, and every requested save is
+written). A failed save -- a full disk, a vanished directory -- fails on every rank alike and
+leaves ``latest`` on the previous checkpoint; ``trainer.on_save_error`` says whether training
+continues (``continue``, logged) or stops (``stop``). An asynchronous save's failure surfaces
+when the next save starts or the run ends, on every rank at the same step.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..checkpoint.format import LATEST, read_manifest, resolve_checkpoint
+from ..checkpoint.verify import VERIFY_MODES
+from ..validation import check_choice, check_positive
+from .faults import BadSteps, TrainingStopped, diagnose_collective_failure, is_collective_failure
+
+log = logging.getLogger("bigdense")
+
+SAVE_ERROR_POLICIES = ("continue", "stop")  # trainer.on_save_error
+
+
+def check_checkpointing(tr) -> None:
+    """The ``trainer.*`` keys of checkpoints and faults; errors name the key."""
+    check_choice("trainer.on_save_error", tr.on_save_error, SAVE_ERROR_POLICIES)
+    check_choice("trainer.checkpoint_verify", tr.checkpoint_verify, VERIFY_MODES)
+    check_positive("trainer.max_bad_steps", tr.max_bad_steps, allow_zero=True)
+    if tr.keep_last is not None:
+        check_positive("trainer.keep_last", tr.keep_last)
+
+
+class RunCheckpoints:
+    """``checkpoints/step_NNNNNNN`` of one run directory, saved and loaded through ``engine``.
+
+    ``extra`` of every save records the data position (``data_step`` = step + ``data_offset``)
+    and the offset itself, which a rollback moves past bad batches.
+    """
+
+    def __init__(self, directory: Path, engine, trainer_cfg, config=None):
+        self.dir, self.engine, self.tr, self.config = Path(directory), engine, trainer_cfg, config
+        self.pending = None  # the handle of the save in flight
+
+    def save(self, step: int, data_offset: int = 0) -> None:
+        self.settle()
+        try:
+            result = save_checkpoint(self.dir / f"step_{step:07d}", **self.engine.checkpoint_state(), step=step,
+                                     config=self.config, extra={"data_step": step + data_offset,
+                                                                "data_offset": data_offset},
+                                     keep_last=self.tr.keep_last, async_=self.tr.async_save)
+        except CheckpointError as err:
+            self._failed(err)
+            return
+        if self.tr.async_save:
+            self.pending = result
+
+    def settle(self) -> None:
+        """Wait for the save in flight; a failure gets the ``on_save_error`` policy."""
+        handle, self.pending = self.pending, None
+        if handle is None:
+            return
+        try:
+            handle.wait()
+        except CheckpointError as err:
+            self._failed(err)
+
+    def _failed(self, err: CheckpointError) -> None:
+        if self.tr.on_save_error == "stop":
+            raise TrainingStopped(f"checkpoint save failed (trainer.on_save_error=stop): {err}") from err
+        log.error("checkpoint save failed; training continues (trainer.on_save_error=continue) and `latest` still "
+                  "names the previous checkpoint: %s", err)
+
+    def latest_step(self) -> Optional[int]:
+        if not (self.dir / LATEST).exists():
+            return None
+        return read_manifest(resolve_checkpoint(self.dir / LATEST)).get("step")
+
+    def load_latest(self) -> Optional[tuple[int, int]]:
+        """Load ``latest`` into the engine; ``(step, data_offset)``, or ``None`` when there is none."""
+        self.settle()
+        if not (self.dir / LATEST).exists():
+            return None
+        info = load_checkpoint(self.dir / LATEST, **self.engine.checkpoint_state(), verify=self.tr.checkpoint_verify)
+        return info.step, (info.extra or {}).get("data_offset", 0)
+
+    def rollback(self, bad: BadSteps) -> tuple[int, int]:
+        """After too many non-finite steps: load ``latest``; ``(its step, the data offset past the
+        bad batches)``, or `TrainingStopped` (see `BadSteps.rollback_offset`)."""
+        self.settle()
+        offset = bad.rollback_offset(self.latest_step())
+        step, _ = self.load_latest()
+        return step, offset
+
+
+def train_step_or_diagnose(engine, micro_batches, ctx, step: int):
+    """``engine.train_step``; a failed collective becomes a `CollectiveFailure` naming it and the
+    ranks that stopped responding (other errors pass unchanged)."""
+    try:
+        return engine.train_step(micro_batches)
+    except RuntimeError as exc:
+        if is_collective_failure(exc):
+            raise diagnose_collective_failure(exc, ctx, step) from exc
+        raise
