@@ -13,7 +13,7 @@ import torch
 
 import bigdense as bd
 from bigdense.checkpoint import save as save_module
-from bigdense.checkpoint.format import flat_range_boxes
+from bigdense.checkpoint.boxes import flat_range_boxes
 from bigdense.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))

@@ -14,9 +14,10 @@ from typing import Mapping, Optional, Union
 import torch
 
 from ._agree import agree
+from .boxes import narrow_box
 from .format import (
-    FORMAT_NAME, CheckpointError, SafetensorsReader, check_files, dtype_from_code, narrow_box,
-    read_manifest, resolve_checkpoint, write_safetensors,
+    FORMAT_NAME, CheckpointError, SafetensorsReader, check_files, dtype_from_code, read_manifest, resolve_checkpoint,
+    write_safetensors,
 )
 from ..durable import hidden_sibling
 from .optimizer import resolve_optimizer

@@ -19,9 +19,10 @@ from typing import Any, Optional
 import torch
 
 from ._agree import agree
+from .boxes import box_overlap, narrow_box, volume
 from .format import (
-    COMMON, CheckpointError, SafetensorsReader, box_overlap, check_files, dtype_from_code, load_pickled,
-    narrow_box, rank_file_name, read_manifest, resolve_checkpoint, volume,
+    COMMON, CheckpointError, SafetensorsReader, check_files, dtype_from_code, load_pickled, rank_file_name,
+    read_manifest, resolve_checkpoint,
 )
 from .optimizer import OptimizerAdapter, check_optimizer_groups, resolve_optimizer
 from .pieces import ModelState, current_context, model_pieces, unwrap

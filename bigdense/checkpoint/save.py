@@ -38,10 +38,11 @@ from ..durable import fsync_dir, hidden_sibling, replace_text_durably, write_byt
 from ..validation import check_positive_int
 from . import background
 from ._agree import agree, broadcast_object
+from .boxes import volume
 from .digest import digest_bytes
 from .format import (
     COMMON, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, dtype_code, rank_file_name, read_manifest,
-    shard_file_name, swapped_out_checkpoint, volume, write_safetensors,
+    shard_file_name, swapped_out_checkpoint, write_safetensors,
 )
 from .optimizer import OptimizerAdapter, resolve_optimizer
 from .pieces import Piece, current_context, model_pieces, unwrap

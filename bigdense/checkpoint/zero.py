@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ..train.engines import ds_compat
-from .format import flat_range_boxes
+from .boxes import flat_range_boxes
 from .optimizer import FP32_MASTER, OptimizerAdapter, saved_groups_without_params
 from .pieces import ModelState, Piece, optimizer_state_piece, param_name
 
