@@ -5,7 +5,6 @@ The reference state is always gathered with plain collectives at the moment of t
 model and optimizer held when `save_checkpoint` returned, whatever training did afterwards.
 """
 import errno
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,7 @@ from bigdense.checkpoint import save as save_module
 from bigdense.checkpoint.boxes import flat_range_boxes
 from bigdense.testing import run_ranks
 
-sys.path.insert(0, str(Path(__file__).parent / "scripts"))
-from ckpt_common import TinyLM, assert_matches_reference, full_states, make_optimizer, train_steps  # noqa: E402
+from helpers import TinyLM, assert_matches_reference, full_states, make_optimizer, train_steps
 
 
 def _setup(tp):
@@ -177,7 +175,7 @@ def test_saving_onto_something_that_is_not_a_checkpoint_is_refused(tmp_path):
     bd.save_checkpoint(tmp_path / "ck", model, step=1)
     bd.save_checkpoint(tmp_path / "ck", model, step=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "data", "latest", "notes.txt"]
-    with pytest.raises(bd.CheckpointError, match="keep_last=0 must be a positive integer"):
+    with pytest.raises(bd.CheckpointError, match="keep_last must be a positive integer, got 0"):
         bd.save_checkpoint(tmp_path / "ck", model, keep_last=0)
 
 

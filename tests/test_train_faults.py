@@ -17,12 +17,11 @@ from bigdense.config import ConfigError
 from bigdense.testing import RankError, run_ranks
 from bigdense.train.checkpointing import RunCheckpoints
 from bigdense.train.faults import TrainingStopped, require_writable
-from helpers import BIN, ROOT, TRAIN
+from helpers import BIN, ROOT, TRAIN, TinyLM, make_optimizer
 
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import fault_train  # noqa: E402
-from ckpt_common import TinyLM, make_optimizer  # noqa: E402
 
 
 def _events(out: Path):
@@ -93,7 +92,11 @@ def test_a_checkpoint_directory_that_cannot_be_written_stops_before_training(tmp
     blocker.write_text("")
     with pytest.raises(ConfigError, match=f"the checkpoint directory {blocker / 'checkpoints'} is not writable"):
         require_writable(blocker / "checkpoints", bd.get_default_context())
-    # Through the training job: the run directory exists, its checkpoints/ cannot be made.
+
+
+@pytest.mark.slow  # launches launch/train.py
+def test_the_training_job_stops_before_training_on_an_unwritable_checkpoint_directory(tmp_path):
+    # The run directory exists, its checkpoints/ cannot be made.
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "checkpoints").write_text("not a directory")
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -103,6 +106,7 @@ def test_a_checkpoint_directory_that_cannot_be_written_stops_before_training(tmp
     assert f"bigdense: bad config: the checkpoint directory {tmp_path / 'run' / 'checkpoints'}" in out.stderr
 
 
+@pytest.mark.slow  # launches launch/train.py
 @pytest.mark.parametrize("override,message", [
     ("trainer.keep_last=0", "trainer.keep_last must be > 0, got 0"),
     ("trainer.checkpoint_verify=sometimes", "trainer.checkpoint_verify='sometimes' is not one of ['node', 'first', "

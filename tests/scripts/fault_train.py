@@ -21,11 +21,11 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 import bigdense as bd  # noqa: E402
 from bigdense.train.checkpointing import RunCheckpoints, train_step_or_diagnose  # noqa: E402
 from bigdense.train.faults import BadSteps, TrainingStopped  # noqa: E402
-from ckpt_common import TinyLM, batch, make_optimizer  # noqa: E402
+from helpers import TinyLM, batch, make_optimizer  # noqa: E402
 
 
 class TinyEngine:
