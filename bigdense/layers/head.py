@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..checks import checks_enabled
 from ..parallel import comm
 from ..validation import check_positive_int, is_positive_int
 from .init import InitSpec, init_bias_
@@ -140,9 +141,13 @@ class ParallelClassifierHead(ColumnParallelLinear):
         autocast's dtype, as ``F.linear`` would.
 
         Edges, identical on every rank: a label outside ``[0, num_classes)`` that is not
-        ``ignore_index`` raises ValueError naming it; an empty batch works; when every token is
-        ignored, ``"mean"`` gives 0 with zero gradients, where F.cross_entropy gives nan
-        (deliberate: one padded-out batch must not poison a run).
+        ``ignore_index`` raises ValueError naming it (a host-side check, behind `bd.set_checks`;
+        with checks off nothing leaves the device and such a token's loss and gradients are NaN,
+        so the step's loss and gradient norm are NaN and the training loop skips the step); an
+        empty batch works; when every token is ignored, ``"mean"`` gives 0 with zero gradients,
+        where F.cross_entropy gives nan (deliberate: one padded-out batch must not poison a run).
+        The number of counted tokens stays a tensor: the loss makes no host synchronisation with
+        checks off.
         """
         self._check_input(h, self.in_features, "in_features, replicated on every TP rank", self.weight)
         self._check_target(h, target, ignore_index)
@@ -187,6 +192,8 @@ class ParallelClassifierHead(ColumnParallelLinear):
             )
         if target.device != h.device:
             raise ValueError(f"{self._where()}: target is on {target.device}, the input on {h.device}")
+        if not checks_enabled():  # the loss marks bad labels on the device instead (see `loss`)
+            return
         # target is replicated on TP, so every rank raises the same error with no collective.
         bad = (target != ignore_index) & ((target < 0) | (target >= self.num_classes))
         if bool(bad.any()):

@@ -141,14 +141,14 @@ def _forward(ctx, h, weight, bias, target, cfg: CEConfig):
     smoothing = cfg.label_smoothing > 0
 
     valid = target != cfg.ignore_index
+    # Labels out of range reach here only with host checks off: their loss and weight become NaN.
+    bad = valid & ((target < 0) | (target >= cfg.num_classes))
     t_local = target - cfg.class_start
     in_shard = valid & (t_local >= 0) & (t_local < c_local)
     t_local = torch.where(in_shard, t_local, 0)
-    n_valid = int(valid.sum())
-    if cfg.reduction == "mean":
-        token_weight = valid.float() / max(n_valid, 1)
-    else:
-        token_weight = valid.float()
+    count = valid.sum().clamp(min=1).float()  # a tensor: no host synchronisation
+    token_weight = valid.float() / count if cfg.reduction == "mean" else valid.float()
+    token_weight = token_weight.masked_fill(bad, float("nan"))
 
     hc_all, wc, bc = _cast(h, weight, bias, cfg.compute_dtype)
     buffer = _logits_buffer(n_tokens, wc, cfg)
@@ -172,8 +172,8 @@ def _forward(ctx, h, weight, bias, target, cfg: CEConfig):
         losses[lo:hi] = torch.where(valid[lo:hi], loss, 0.0)
         if grads_now:
             # exp(z - m_local) * exp(m_local - lse) is the softmax.
-            _logit_grad_(zt, torch.exp(stats[0] - lse), t_local[lo:hi], in_shard[lo:hi], token_weight[lo:hi], cfg)
-            _accumulate(zt, hc, wc, lo, hi, grad_h, grad_w, grad_b, cfg.compute_dtype)
+            _chunk_grads(zt, torch.exp(stats[0] - lse), t_local[lo:hi], in_shard[lo:hi], token_weight[lo:hi],
+                         hc, wc, lo, hi, (grad_h, grad_w, grad_b), cfg)
         del zt  # one chunk's logits live at a time (in `buffer`, or freed before the next is made)
 
     if grads_now:
@@ -186,10 +186,11 @@ def _forward(ctx, h, weight, bias, target, cfg: CEConfig):
         ctx.lse, ctx.t_local, ctx.in_shard, ctx.token_weight = lse_all, t_local, in_shard, token_weight
     ctx.cfg, ctx.dtypes = cfg, (h.dtype, weight.dtype, None if bias is None else bias.dtype)
 
+    losses = losses.masked_fill(bad, float("nan"))
     if cfg.reduction == "none":
         return losses
     total = losses.sum()
-    return total / max(n_valid, 1) if cfg.reduction == "mean" else total
+    return total / count if cfg.reduction == "mean" else total
 
 
 def _backward(ctx, grad_out):
@@ -224,8 +225,8 @@ def _recompute_backward(ctx, grad_out):
         hi = min(lo + cfg.chunk_size, n_tokens)
         hc = hc_all[lo:hi]
         p = _logits(hc, wc, bc, buffer).sub_(ctx.lse[lo:hi]).exp_()
-        _logit_grad_(p, 1.0, ctx.t_local[lo:hi], ctx.in_shard[lo:hi], token_weight[lo:hi], cfg)
-        _accumulate(p, hc, wc, lo, hi, grad_h, grad_w, grad_b, cfg.compute_dtype)
+        _chunk_grads(p, 1.0, ctx.t_local[lo:hi], ctx.in_shard[lo:hi], token_weight[lo:hi],
+                     hc, wc, lo, hi, (grad_h, grad_w, grad_b), cfg)
         del p  # before the next chunk's logits exist
     if grad_h is not None and n_tokens:
         comm.all_reduce_(grad_h, cfg.group)
@@ -265,19 +266,36 @@ def _logits_buffer(n_tokens: int, wc: torch.Tensor, cfg: CEConfig) -> Optional[t
     return torch.empty(wc.shape[0] * min(cfg.chunk_size, n_tokens), dtype=torch.float32, device=wc.device)
 
 
-def _accumulate(gt, hc, wc, lo, hi, grad_h, grad_w, grad_b, dtype) -> None:
-    """Add one chunk's logit gradient ``gt`` (C_local, n, fp32) into the fp32 gradient buffers."""
-    if grad_b is not None:
-        grad_b.add_(gt.sum(1))
+def _chunk_grads(pt, scale, t_local, in_shard, weight, hc, wc, lo, hi, grads, cfg: CEConfig) -> None:
+    """Add one chunk's gradients into the fp32 buffers ``grads = (grad_h, grad_w, grad_b)``.
+
+    ``pt * scale`` (C_local, n, fp32) are the chunk's softmax probabilities; ``weight`` (n,) the
+    per-token factor d(loss)/d(loss_i) (1/n_valid for a mean, times the incoming gradient in the
+    backward). In fp32 the factor is folded into the logit gradient. In a lower-precision matmul
+    dtype it is not: a factor such as 1/n_valid would push small per-logit gradients below fp16's
+    smallest normal number before the loss scale is applied, flushing them to zero. There the
+    matmuls see the unweighted logit gradient (entries in [-1, 1]) and the factor is applied in
+    fp32 afterwards: per row for ``grad_h``, and for ``grad_w`` (a sum over tokens) as the chunk's
+    largest factor times each token's factor relative to it (exactly 0 or 1 for "mean"/"sum").
+    """
+    grad_h, grad_w, grad_b = grads
+    dtype = cfg.compute_dtype
     if dtype == torch.float32:
+        _logit_grad_(pt, scale, t_local, in_shard, weight, cfg)
+        if grad_b is not None:
+            grad_b.add_(pt.sum(1))
         if grad_h is not None:
-            torch.mm(gt.t(), wc, out=grad_h[lo:hi])
+            torch.mm(pt.t(), wc, out=grad_h[lo:hi])
         if grad_w is not None:
-            grad_w.addmm_(gt, hc)
+            grad_w.addmm_(pt, hc)
         return
-    # Lower-precision matmuls (autocast): products in that dtype, accumulation across chunks in fp32.
-    gt = gt.to(dtype)
+    _logit_grad_(pt, scale, t_local, in_shard, (weight != 0).float(), cfg)
+    if grad_b is not None:
+        grad_b.add_(pt @ weight)
+    low = pt.to(dtype)
     if grad_h is not None:
-        grad_h[lo:hi] = torch.mm(gt.t(), wc)
+        grad_h[lo:hi] = torch.mm(low.t(), wc).float().mul_(weight.unsqueeze(1))
     if grad_w is not None:
-        grad_w.add_(torch.mm(gt, hc))
+        largest = weight.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)  # NaN stays NaN
+        relative = (weight / largest).to(dtype).unsqueeze(1)
+        grad_w.add_(torch.mm(low, hc * relative).float().mul_(largest))
