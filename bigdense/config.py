@@ -15,6 +15,7 @@ from .data.prepare import check_data
 from .layers.init import INITIALIZERS
 from .layers.mlp import ACTIVATIONS
 from .models import MODELS, GPTConfig
+from .models.gpt import ATTENTION_DROPOUT_MODES
 from .parallel.context import ParallelDims
 from .train.checkpointing import check_checkpointing
 from .train.engines import EngineSettings
@@ -35,7 +36,12 @@ class ModelConfig:
     d_hidden: Optional[int] = GPTConfig.d_hidden  # MLP width; None means 4 * d_model
     activation: str = GPTConfig.activation  # one of bigdense.layers.mlp.ACTIVATIONS: "gelu", "relu", "swiglu"
     max_seq_len: int = GPTConfig.max_seq_len
-    dropout: float = GPTConfig.dropout
+    dropout: float = GPTConfig.dropout  # embeddings, attention output and MLP output (layout-free masks)
+    # On the attention probabilities; 0 keeps the fused attention (SDPA) kernels.
+    attention_dropout: float = GPTConfig.attention_dropout
+    # When > 0: "invariant" (exact, layout-free masks; the probabilities are materialised) or
+    # "fused" (SDPA's own dropout: fast, masks depend on the TP/DP layout).
+    attention_dropout_mode: str = GPTConfig.attention_dropout_mode
     bias: bool = GPTConfig.bias
     tie_embeddings: bool = GPTConfig.tie_embeddings  # share the embedding table with the output head, shard for shard
     vocab_size: Optional[int] = None
@@ -227,8 +233,10 @@ def validate(cfg, world_size: int, device_type: str) -> None:
     for key in ("d_hidden", "head_chunk_size"):  # None: the model's own choice
         if getattr(m, key) is not None:
             check_positive(f"model.{key}", getattr(m, key))
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    for key in ("dropout", "attention_dropout"):
+        if not 0.0 <= getattr(m, key) < 1.0:
+            raise ConfigError(f"model.{key} must be in [0, 1), got {getattr(m, key)}")
+    check_choice("model.attention_dropout_mode", m.attention_dropout_mode, ATTENTION_DROPOUT_MODES)
     if m.vocab_size is not None and m.vocab_size < cfg.data.vocab_size:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than data.vocab_size={cfg.data.vocab_size}: "
                           "the tokenizer would produce ids the embedding does not have (leave it null)")

@@ -31,6 +31,7 @@ def _gpt_cfg(**kw):
 VARIANTS = {
     "gelu, tied": {},
     "swiglu, untied, no bias": dict(activation="swiglu", tie_embeddings=False, bias=False, d_hidden=40),
+    "invariant attention dropout": dict(attention_dropout=0.3),  # the probabilities' mask, sharded by head
 }
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..checks import checks_enabled
 from ..parallel.regions import reduce_from_tp
 from ..parallel.sharding import shard_range, shard_sizes
 from ..validation import check_positive_int
@@ -26,7 +27,10 @@ class VocabParallelEmbedding(TensorParallelModule):
 
     An id outside ``[0, num_embeddings)`` raises ValueError naming the layer and the id, on every
     rank (the ids are replicated, so each rank checks them itself: no collective, no hang); this
-    check reads one min/max back to the host per call.
+    check reads one min/max back to the host per call, so it runs only while `bd.set_checks` is
+    on. With checks off nothing is read back: at tp > 1 an id out of range belongs to no rank and
+    its output row is NaN (so the loss is NaN and the training loop skips the step); at tp=1
+    ``F.embedding`` raises (CPU) or fails a device-side assert (CUDA).
     ``padding_idx`` behaves as in nn.Embedding: that row starts at zero and never gets a gradient.
     ``init`` defaults to nn.Embedding's N(0, 1) ("normal"); the full table is the same at any TP size.
     """
@@ -95,7 +99,7 @@ class VocabParallelEmbedding(TensorParallelModule):
             raise TypeError(f"{self._where()}: ids must be an integer tensor, got dtype {ids.dtype}")
         if ids.device != self.weight.device:
             raise ValueError(f"{self._where()}: ids are on {ids.device} but the table is on {self.weight.device}")
-        if ids.numel() == 0:
+        if ids.numel() == 0 or not checks_enabled():
             return
         lo, hi = (int(v) for v in torch.stack(list(torch.aminmax(ids))).tolist())
         if lo < 0 or hi >= self.num_embeddings:
@@ -119,6 +123,9 @@ class VocabParallelEmbedding(TensorParallelModule):
             # Row 0 stands in for ids another rank owns; zeroing its output also zeroes its gradient.
             partial = F.embedding(local.masked_fill(elsewhere, 0), self.weight, self._local_padding_idx)
             partial = partial.masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        if not checks_enabled():  # an id owned by no rank (out of range) is marked on the device
+            unowned = (ids < 0) | (ids >= self.num_embeddings)
+            partial = partial.masked_fill(unowned.unsqueeze(-1), float("nan"))
         return reduce_from_tp(partial, self.tp_group)
 
     @torch.no_grad()

@@ -156,7 +156,8 @@ class ParallelClassifierHead(ColumnParallelLinear):
         if not 0.0 <= float(label_smoothing) <= 1.0:
             raise ValueError(f"{self._where()}: label_smoothing must be in [0, 1], got {label_smoothing}")
         device_type = h.device.type
-        compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else h.dtype
+        autocasting = device_type != "meta" and torch.is_autocast_enabled(device_type)  # meta: shapes only
+        compute_dtype = torch.get_autocast_dtype(device_type) if autocasting else h.dtype
         cfg = CEConfig(
             group=self.tp_group,
             num_classes=self.num_classes,

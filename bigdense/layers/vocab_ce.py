@@ -37,6 +37,7 @@ from the forward on, and a loss can only be backpropagated once.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -125,13 +126,18 @@ class FusedVocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, target, cfg: CEConfig):
         # The matmul dtype was decided by the caller (autocast's, if on); inside, every op is explicit.
-        with torch.autocast(h.device.type, enabled=False):
+        with _no_autocast(h.device.type):
             return _forward(ctx, h, weight, bias, target, cfg)
 
     @staticmethod
     def backward(ctx, grad_out):
-        with torch.autocast(grad_out.device.type, enabled=False):
+        with _no_autocast(grad_out.device.type):
             return _backward(ctx, grad_out)
+
+
+def _no_autocast(device_type: str):
+    # The meta device (shape-only runs, op counting) has no autocast state.
+    return contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
 
 
 def _forward(ctx, h, weight, bias, target, cfg: CEConfig):

@@ -33,6 +33,8 @@ from ..parallel.context import resolve_tp_group
 from ..parallel.comm import group_rank, group_size
 from ..parallel.random import tp_dropout
 
+ATTENTION_DROPOUT_MODES = ("invariant", "fused")
+
 
 @dataclass
 class GPTConfig:
@@ -42,7 +44,9 @@ class GPTConfig:
     n_heads: int = 4
     d_hidden: Optional[int] = None  # None: 4 * d_model
     max_seq_len: int = 256
-    dropout: float = 0.0
+    dropout: float = 0.0  # embeddings, attention output, MLP output
+    attention_dropout: float = 0.0  # on the attention probabilities; 0 keeps the fused SDPA kernels
+    attention_dropout_mode: str = "invariant"  # "invariant" (layout-free masks) or "fused" (SDPA's own)
     activation: str = "gelu"
     bias: bool = True
     tie_embeddings: bool = True
@@ -69,12 +73,32 @@ class ParallelSelfAttention(nn.Module):
     (``[head 0: q, k, v][head 1: q, k, v]...``), so with ``tp`` dividing ``n_heads`` the balanced
     split gives every rank whole heads: weight (3d/tp, d). ``out`` is a RowParallelLinear(d, d):
     weight (d, d/tp), its all-reduce is the block's only collective here.
-    Attention dropout acts on this rank's heads, a sharded region: ``tp_dropout`` draws exactly
-    those heads' slice of the unsharded mask.
+    Attention is ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels on GPUs)
+    unless the probabilities get dropout. ``attention_dropout`` > 0 in training then has two modes:
+
+    * ``"invariant"``: scores, softmax and the mask are computed here; the mask acts on this rank's
+      heads, a sharded region, and ``tp_dropout`` draws exactly those heads' slice of the unsharded
+      mask: the same numbers at any TP and DP size, but the (B, H/tp, S, S) probabilities are
+      materialised.
+    * ``"fused"``: SDPA's own dropout, fused into its kernel. Fast, but its masks come from the
+      device generator and depend on the layout (TP size, DP size), as in every other framework.
+
+    ``dropout`` acts on the attention output (a replicated region), with ``tp_dropout``.
     """
 
-    def __init__(self, d_model, n_heads, *, dropout=0.0, bias=True, init="trunc_normal", tp_group=None):
+    def __init__(
+        self, d_model, n_heads, *, dropout=0.0, attention_dropout=0.0, attention_dropout_mode="invariant",
+        bias=True, init="trunc_normal", tp_group=None,
+    ):
         super().__init__()
+        if attention_dropout_mode not in ATTENTION_DROPOUT_MODES:
+            raise ValueError(
+                f"ParallelSelfAttention: attention_dropout_mode must be one of {ATTENTION_DROPOUT_MODES}, "
+                f"got {attention_dropout_mode!r}"
+            )
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"ParallelSelfAttention: attention_dropout must be in [0, 1), got {attention_dropout}")
+        self.attention_dropout, self.attention_dropout_mode = float(attention_dropout), attention_dropout_mode
         tp_group = resolve_tp_group(tp_group)
         tp = group_size(tp_group)
         if d_model % n_heads:
@@ -92,14 +116,15 @@ class ParallelSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, self.heads_local, 3, self.head_dim).permute(3, 0, 2, 1, 4)
-        if self.training and self.dropout > 0:
+        p = self.attention_dropout if self.training else 0.0
+        if p > 0 and self.attention_dropout_mode == "invariant":
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
             causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
             probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-            probs = tp_dropout(probs, self.dropout, shard_dim=1, global_size=self.n_heads, offset=self.head_start)
+            probs = tp_dropout(probs, p, shard_dim=1, global_size=self.n_heads, offset=self.head_start)
             y = probs @ v
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = self.out(y.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim))
         return tp_dropout(y, self.dropout, self.training)
 
@@ -111,7 +136,8 @@ class Block(nn.Module):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = ParallelSelfAttention(
-            cfg.d_model, cfg.n_heads, dropout=cfg.dropout, bias=cfg.bias, init=cfg.init, tp_group=tp_group
+            cfg.d_model, cfg.n_heads, dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
+            attention_dropout_mode=cfg.attention_dropout_mode, bias=cfg.bias, init=cfg.init, tp_group=tp_group,
         )
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = ParallelMLP(

@@ -8,6 +8,10 @@ Uneven shards: gloo's ``all_gather`` refuses tensors of different sizes and NCCL
 outputs, so `all_gather_dim` pads every shard to the largest one, uses the single-tensor
 gather that both backends have (``all_gather_single``), and trims. One code path for both backends
 means the CPU tests exercise exactly what runs on GPUs.
+
+Inside ``torch.compile`` (`traceable`), the same functions issue PyTorch's functional collectives
+(``torch.distributed._functional_collectives``), which dynamo and AOTAutograd trace into the graph
+without a break; eager calls are unchanged.
 """
 from __future__ import annotations
 
@@ -15,11 +19,28 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 ProcessGroup = dist.ProcessGroup
 
 # torch 2.13 renamed the single-tensor all-gather (the old name warns); older releases lack the new one.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+_FUNCOL_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+
+
+def traceable() -> bool:
+    """Whether collectives must be the functional ones: we are being traced by torch.compile."""
+    return torch.compiler.is_compiling()
+
+
+def _gather_into(out: torch.Tensor, tensor: torch.Tensor, group: ProcessGroup) -> None:
+    """``out`` := every rank's ``tensor`` concatenated along dim 0."""
+    if traceable():
+        out.copy_(funcol.all_gather_tensor(tensor, 0, group))
+    else:
+        _all_gather_single(out, tensor, group=group)
 
 
 def group_size(group: Optional[ProcessGroup]) -> int:
@@ -33,7 +54,10 @@ def group_rank(group: Optional[ProcessGroup]) -> int:
 def all_reduce_(tensor: torch.Tensor, group: Optional[ProcessGroup], op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce; returns ``tensor``."""
     if group_size(group) > 1:
-        dist.all_reduce(tensor, op=op, group=group)
+        if traceable():
+            tensor.copy_(funcol.all_reduce(tensor, _FUNCOL_OPS[op], group))
+        else:
+            dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
 
@@ -43,7 +67,7 @@ def all_gather_sizes(length: int, group: Optional[ProcessGroup], device) -> list
         return [int(length)]
     mine = torch.tensor([length], dtype=torch.int64, device=device)
     out = torch.empty(group_size(group), dtype=torch.int64, device=device)
-    _all_gather_single(out, mine, group=group)
+    _gather_into(out, mine, group)
     return [int(v) for v in out.tolist()]
 
 
@@ -78,7 +102,7 @@ def all_gather_dim(
         front = torch.cat([front, pad], dim=0)
     front = front.contiguous()
     out = front.new_empty((world * longest,) + tuple(front.shape[1:]))
-    _all_gather_single(out, front, group=group)
+    _gather_into(out, front, group)
     if all(s == longest for s in sizes):
         full = out
     else:

@@ -1,10 +1,17 @@
 """Random numbers that do not depend on the tensor-parallel size.
 
-A global 2-D tensor is cut into a fixed grid of tiles (``TILE`` x ``TILE``, independent of any
-sharding). Tile ``(i, j)`` is filled by its own generator, seeded from ``(seed, i, j)``. A rank
-that owns a slice of the tensor fills only the tiles its slice touches and keeps its part, so the
-values it holds are bit-identical to the same slice of the unsharded tensor, at any TP size, and
-no rank ever materialises the whole tensor.
+Two schemes, one per use:
+
+* Initialisation (`tiled_fill_`): a global 2-D tensor is cut into a fixed grid of tiles (``TILE``
+  x ``TILE``, independent of any sharding). Tile ``(i, j)`` is filled by its own generator, seeded
+  from ``(seed, i, j)``. A rank that owns a slice of the tensor fills only the tiles its slice
+  touches and keeps its part, so the values it holds are bit-identical to the same slice of the
+  unsharded tensor, at any TP size, and no rank ever materialises the whole tensor. It runs once.
+* Dropout (`tp_dropout`, every step): counter-based. Element ``(row, col)`` of the global tensor
+  (viewed as 2-D) is kept when a hash of ``(key, row, col)`` is below a threshold. The hash is a
+  fixed handful of vectorised integer ops on whole tensors, so the number of kernels does not grow
+  with the tensor, a rank computes exactly its slice from the global indices of its elements, and
+  the key is a tensor (nothing is baked into a compiled graph, nothing is read back to the host).
 """
 from __future__ import annotations
 
@@ -37,6 +44,12 @@ def draw_seed() -> int:
     """One seed from torch's default CPU generator, so ``torch.manual_seed`` decides it (also inside
     ``with torch.device("meta")``, so a model built there draws the seeds an eager build draws)."""
     return int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu").item())
+
+
+def draw_dropout_key() -> torch.Tensor:
+    """Two random 32-bit words from torch's default CPU generator, as an int32 tensor of shape (2,):
+    the key of one dropout mask. Never read on the host (no sync; traceable by torch.compile)."""
+    return torch.randint(-(2**31), 2**31, (2,), dtype=torch.int32, device="cpu")
 
 
 FillFn = Callable[[torch.Tensor, torch.Generator], None]
@@ -107,6 +120,50 @@ def current_batch_slice() -> tuple[int, int] | None:
     return _batch_slice
 
 
+# Counter-based hashing in int32 arithmetic, whose multiplications wrap modulo 2^32 on every
+# backend; ">>" is arithmetic on signed integers, so each shift is masked to make it logical.
+# The constants are MurmurHash3's 32-bit finaliser (fmix32), written as signed int32.
+_M1, _M2 = 0x85EBCA6B - (1 << 32), 0xC2B2AE35 - (1 << 32)
+_GOLDEN = 0x9E3779B9 - (1 << 32)
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's finaliser on int32 tensors: a bijection of 32-bit words with full avalanche."""
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * _M1
+    h = h ^ ((h >> 13) & 0x7FFFF)
+    h = h * _M2
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+def _index_words(start: int, count: int, odd: int, device) -> torch.Tensor:
+    """The global indices ``start .. start + count - 1`` spread over 32-bit words (int32, (count,)):
+    times an odd constant, a bijection modulo 2^32."""
+    if start + count <= 2**31:
+        return torch.arange(start, start + count, dtype=torch.int32, device=device) * odd
+    # Indices past int32: the high word, mixed, is folded into the low one.
+    wide = torch.arange(start, start + count, dtype=torch.int64, device=device)
+    return ((wide & 0xFFFFFFFF).to(torch.int32) * odd) ^ _fmix32((wide >> 32).to(torch.int32) ^ _GOLDEN)
+
+
+def keep_mask(key: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int], p: float, device) -> torch.Tensor:
+    """The keep-mask (bool, (n, m)) of rows ``[r0, r0 + n)`` and columns ``[c0, c0 + m)`` of the
+    global mask for ``key`` (`draw_dropout_key`) and drop probability ``p``; ``rows = (r0, n)``,
+    ``cols = (c0, m)``. A pure function of (key, global row, global column): any slice of it
+    equals the same slice of the whole mask.
+
+    Word ``(i, j)`` is ``fmix32((i * A ^ key0) ^ (j * B + key1))``: the row and column words are
+    cheap vectors and the one full-size mix does the avalanche. About 20 ops whatever the size,
+    14 of them full-size (one fused kernel under torch.compile)."""
+    key = key.to(device, non_blocking=True)
+    row_word = _index_words(rows[0], rows[1], _M1, device) ^ key[0]
+    col_word = _index_words(cols[0], cols[1], _GOLDEN, device) + key[1]
+    word = _fmix32(row_word.unsqueeze(1) ^ col_word.unsqueeze(0))  # uniform over the 2^32 words
+    # Kept when the word, read as unsigned, is below (1 - p) * 2^32; shifted into signed order.
+    threshold = int(round((1.0 - p) * 2**32)) - 2**31
+    return word < threshold if threshold <= 2**31 - 1 else torch.ones_like(word, dtype=torch.bool)
+
+
 def tp_dropout(
     x: torch.Tensor,
     p: float,
@@ -118,10 +175,10 @@ def tp_dropout(
 ) -> torch.Tensor:
     """Dropout whose mask does not depend on the TP size.
 
-    Each call draws one seed from torch's default CPU generator, so (a) activation checkpointing,
-    which restores that generator before recomputing, redraws the same mask, and (b) every TP rank
-    draws the same seed as long as all ranks were seeded alike. The mask of the *global* tensor is
-    then generated tile by tile (`tiled_fill_`):
+    Each call draws one key from torch's default CPU generator (a tensor, never read on the
+    host), so (a) activation checkpointing, which restores that generator before recomputing,
+    redraws the same mask, and (b) every TP rank draws the same key as long as all ranks were
+    seeded alike. The mask is a pure function of (key, global element index) (`keep_mask`):
 
     * replicated region (``shard_dim=None``): ``x`` is the whole tensor; every TP rank applies the
       same mask.
@@ -129,7 +186,8 @@ def tp_dropout(
       dimension of length ``global_size``; the rank applies exactly that slice of the mask the
       unsharded model would draw.
 
-    Inside `batch_slice`, dim 0 is further read as a slice of the global batch.
+    Inside `batch_slice`, dim 0 is further read as a slice of the global batch. A fixed number of
+    tensor ops whatever the size of ``x``; under ``torch.compile`` it traces without a break.
     """
     if not 0.0 <= p < 1.0:
         raise ValueError(f"tp_dropout: p must be in [0, 1), got {p}")
@@ -137,31 +195,29 @@ def tp_dropout(
         return x
     if x.dim() == 0:
         return tp_dropout(x.reshape(1), p, training).reshape(())
-    seed = draw_seed()  # drawn even for an empty shard, so every rank's generator advances alike
+    key = draw_dropout_key()  # drawn even for an empty shard, so every rank's generator advances alike
     shape = list(x.shape)
     if x.numel() == 0:
         return x
     if shard_dim is None:
-        rows, cols, col_offset = math.prod(shape[:-1]), shape[-1], 0
+        rows, col_offset = math.prod(shape[:-1]), 0
     else:
         shard_dim %= x.dim()
         if global_size is None:
             raise ValueError("tp_dropout: a sharded region needs global_size")
+        if not 0 <= offset <= offset + shape[shard_dim] <= global_size:
+            raise ValueError(
+                f"tp_dropout: the shard [{offset}, {offset + shape[shard_dim]}) of dim {shard_dim} does not fit "
+                f"in global_size={global_size}"
+            )
         # Global tensor viewed as (outer, global_size * inner): a shard is then the same
         # contiguous column range in every row.
         inner = math.prod(shape[shard_dim + 1 :])
-        rows, cols, col_offset = math.prod(shape[:shard_dim]), global_size * inner, offset * inner
-    row_offset, global_rows = 0, rows
+        rows, col_offset = math.prod(shape[:shard_dim]), offset * inner
+    row_offset = 0
     if _batch_slice is not None:
         if shard_dim == 0:
             raise ValueError("tp_dropout: dim 0 is the data-parallel batch inside batch_slice; it cannot be TP-sharded")
-        start, total = _batch_slice
-        per_sample = rows // shape[0]
-        row_offset, global_rows = start * per_sample, total * per_sample
-    # The tile grid depends on the global (rows, cols) only; ~256K draws per tile.
-    tile_cols = min(cols, 8192)
-    tile = (max(1, (1 << 18) // tile_cols), tile_cols)
-    mask = torch.empty((rows, x.numel() // rows), dtype=torch.float32, device=x.device)
-    tiled_fill_(mask, (global_rows, cols), (row_offset, col_offset), seed,
-                lambda t, g: t.bernoulli_(1.0 - p, generator=g), tile)
-    return x * mask.bool().view_as(x) * (1.0 / (1.0 - p))
+        row_offset = _batch_slice[0] * (rows // shape[0])
+    keep = keep_mask(key, (row_offset, rows), (col_offset, x.numel() // rows), p, x.device)
+    return x * keep.view_as(x) * (1.0 / (1.0 - p))
