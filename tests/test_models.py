@@ -115,20 +115,20 @@ def test_gpt_matches_an_independent_plain_pytorch_gpt(variant):
 
 def test_attention_manual_dropout_path_matches_the_fused_path_at_dropout_zero(monkeypatch):
     # The manual path (explicit softmax, then tp_dropout on the probabilities) runs when training
-    # with dropout > 0. At p = 1e-12 its masks keep everything and scale by 1/(1 - p), which is 1.0
+    # with attention dropout > 0 in the "invariant" mode. At p = 1e-12 its masks keep everything and scale by 1/(1 - p), which is 1.0
     # in fp32, so it must equal the fused scaled_dot_product_attention path up to kernel rounding
     # (measured ~1e-7 relative here; 1e-5 allowed).
     torch.manual_seed(0)
     model = GPT(_gpt_cfg(dropout=0.0))
     for blk in model.blocks:
-        blk.attn.dropout = 1e-12
+        blk.attn.attention_dropout = 1e-12
     idx = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(1))
     fused_calls = []
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: fused_calls.append(1) or sdpa(*a, **k))
     with torch.no_grad():
         manual = model.train().hidden(idx)
-        assert not fused_calls, "training with dropout > 0 must take the manual path"
+        assert not fused_calls, "training with invariant attention dropout > 0 must take the manual path"
         fused = model.eval().hidden(idx)
         assert len(fused_calls) == len(model.blocks), "evaluation must take the fused path"
     assert_close(manual, fused, "hidden states, manual vs fused attention", rtol=1e-5, atol=1e-5)

@@ -51,7 +51,9 @@ class GPTShape:
         return cls(
             vocab_size=c.vocab_size, d_model=c.d_model, n_layers=c.n_layers, n_heads=c.n_heads,
             d_hidden=c.d_hidden or 4 * c.d_model, seq_len=seq_len, activation=c.activation, dropout=c.dropout,
-            attn_dropout=getattr(c, "attn_dropout", c.dropout), bias=c.bias, tie_embeddings=c.tie_embeddings,
+            # Only the "invariant" mode materialises the probabilities; SDPA's fused dropout does not.
+            attn_dropout=c.attention_dropout if c.attention_dropout_mode == "invariant" else 0.0,
+            bias=c.bias, tie_embeddings=c.tie_embeddings,
             head_chunk_size=c.head_chunk_size or _auto_chunk(c.vocab_size, 1),
         )
 
