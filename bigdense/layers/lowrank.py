@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from .base import materialize
 from .head import ParallelClassifierHead
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .svd import ShardedSVD, sharded_svd
@@ -101,53 +102,37 @@ def low_rank(
     root = svd.S[:r].sqrt()
     left = svd.U_local[:, :r] * root  # rows of W (or of W^T) times S^(1/2)
     right = svd.V[:, :r] * root
-    w, bias = layer.weight, layer.bias
-    kw = dict(device=w.device, dtype=w.dtype)
-    if isinstance(layer, ColumnParallelLinear):
-        first = nn.Linear(layer.in_features, r, bias=False, **kw)
-        second = _empty(ColumnParallelLinear, r, layer.out_features, bias is not None, layer,
-                        gather_output=layer.gather_output)
-        first.weight.copy_(right.t())
-        second.weight.copy_(left)
-    elif isinstance(layer, RowParallelLinear):
-        first = _empty(RowParallelLinear, layer.in_features, r, False, layer,
-                       input_is_parallel=layer.input_is_parallel)
-        second = nn.Linear(r, layer.out_features, bias=bias is not None, **kw)
+    pair = nn.Sequential(*_pair(layer, r)).to_empty(device=layer.weight.device)
+    first, second = pair
+    if isinstance(layer, RowParallelLinear):
         first.weight.copy_(left.t())
         second.weight.copy_(right)
     else:
-        first = nn.Linear(layer.in_features, r, bias=False, **kw)
-        second = nn.Linear(r, layer.out_features, bias=bias is not None, **kw)
         first.weight.copy_(right.t())
         second.weight.copy_(left)
-    if bias is not None:
-        second.bias.copy_(bias)
-    pair = nn.Sequential(first, second)
+    if layer.bias is not None:
+        second.bias.copy_(layer.bias)
     pair.rank, pair.singular_values = r, svd.S.detach().cpu()
     return pair
 
 
-def _empty(cls, in_features: int, out_features: int, bias: bool, like: nn.Module, **options):
-    """A parallel layer on ``like``'s group, device and dtype, allocated but not initialised."""
-    layer = cls(in_features, out_features, bias=bias, tp_group=like.tp_group, device="meta",
-                dtype=like.weight.dtype, **options)
-    return layer.to_empty(device=like.weight.device)
+def _pair(layer: nn.Module, rank: int) -> tuple[nn.Module, nn.Module]:
+    """(first, second) of the pair's shapes and sharding, on the meta device, ``layer``'s dtype."""
+    kw = dict(device="meta", dtype=layer.weight.dtype)
+    has_bias = layer.bias is not None
+    if isinstance(layer, ColumnParallelLinear):
+        return (nn.Linear(layer.in_features, rank, bias=False, **kw),
+                ColumnParallelLinear(rank, layer.out_features, bias=has_bias, tp_group=layer.tp_group,
+                                     gather_output=layer.gather_output, **kw))
+    if isinstance(layer, RowParallelLinear):
+        return (RowParallelLinear(layer.in_features, rank, bias=False, tp_group=layer.tp_group,
+                                  input_is_parallel=layer.input_is_parallel, **kw),
+                nn.Linear(rank, layer.out_features, bias=has_bias, **kw))
+    return nn.Linear(layer.in_features, rank, bias=False, **kw), nn.Linear(rank, layer.out_features, bias=has_bias, **kw)
 
 
 def low_rank_like(layer: nn.Module, rank: int) -> nn.Sequential:
     """The pair `low_rank` would return at this ``rank``, freshly initialised (no SVD): the structure
     a compressed checkpoint loads into. Not a collective."""
     _check_request(layer, rank, None)
-    w = layer.weight
-    kw = dict(device=w.device, dtype=w.dtype)
-    has_bias = layer.bias is not None
-    if isinstance(layer, ColumnParallelLinear):
-        return nn.Sequential(nn.Linear(layer.in_features, rank, bias=False, **kw),
-                             ColumnParallelLinear(rank, layer.out_features, bias=has_bias, tp_group=layer.tp_group,
-                                                  gather_output=layer.gather_output, **kw))
-    if isinstance(layer, RowParallelLinear):
-        return nn.Sequential(RowParallelLinear(layer.in_features, rank, bias=False, tp_group=layer.tp_group,
-                                               input_is_parallel=layer.input_is_parallel, **kw),
-                             nn.Linear(rank, layer.out_features, bias=has_bias, **kw))
-    return nn.Sequential(nn.Linear(layer.in_features, rank, bias=False, **kw),
-                         nn.Linear(rank, layer.out_features, bias=has_bias, **kw))
+    return materialize(nn.Sequential(*_pair(layer, rank)), layer.weight.device)

@@ -10,7 +10,7 @@ Per block, what stays for the backward:
 * LayerNorm outputs, read by the next matmul: ``u`` each at 4 bytes, or under autocast the
   matmul's cast copy at the compute width (the fp32 output is then freed).
 * ``qkv``: ``3u/tp``; the attention output before ``out``: ``u/tp`` (computed widths).
-* attention dropout > 0 (explicit softmax): softmax output, its dropout mask (1 byte), the dropped
+* attention dropout > 0 (explicit softmax; SDPA's fused dropout on a GPU keeps none of it): softmax output, its dropout mask (1 byte), the dropped
   probabilities (``P2`` each); CUDA autocast runs softmax in fp32, so there the probabilities are
   4 bytes and ``probs @ v`` keeps a cast copy. Dropout 0: SDPA keeps only its output and
   log-sum-exp, no ``s x s`` matrix.
@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
+
+from ..layers.vocab_ce import auto_chunk_size
 
 from .layout import Layout
 
@@ -41,9 +44,10 @@ class GPTShape:
     activation: str = "gelu"
     dropout: float = 0.0
     attn_dropout: float = 0.0
+    attn_dropout_mode: str = "invariant"  # "fused": SDPA's own dropout (no s x s matrix on GPUs)
     bias: bool = True
     tie_embeddings: bool = True
-    head_chunk_size: int = 1024
+    head_chunk_size: Optional[int] = 1024  # None: the head's automatic chunk (from its largest shard)
 
     @classmethod
     def from_model(cls, model, seq_len: int) -> "GPTShape":
@@ -51,21 +55,13 @@ class GPTShape:
         return cls(
             vocab_size=c.vocab_size, d_model=c.d_model, n_layers=c.n_layers, n_heads=c.n_heads,
             d_hidden=c.d_hidden or 4 * c.d_model, seq_len=seq_len, activation=c.activation, dropout=c.dropout,
-            # Only the "invariant" mode materialises the probabilities; SDPA's fused dropout does not.
-            attn_dropout=c.attention_dropout if c.attention_dropout_mode == "invariant" else 0.0,
-            bias=c.bias, tie_embeddings=c.tie_embeddings,
-            head_chunk_size=c.head_chunk_size or _auto_chunk(c.vocab_size, 1),
+            attn_dropout=c.attention_dropout, attn_dropout_mode=c.attention_dropout_mode, bias=c.bias,
+            tie_embeddings=c.tie_embeddings, head_chunk_size=c.head_chunk_size,
         )
 
     def block_weights(self) -> int:
         mlp_mats = 3 if self.activation == "swiglu" else 2
         return 4 * self.d_model * self.d_model + mlp_mats * self.d_model * self.d_hidden
-
-
-def _auto_chunk(vocab: int, tp: int) -> int:
-    from ..layers.vocab_ce import auto_chunk_size
-
-    return auto_chunk_size(math.ceil(vocab / tp))
 
 
 class GPTMemory:
@@ -90,10 +86,16 @@ class GPTMemory:
     def _mask(self) -> float:
         return self.u / self.rep if self.shape.dropout > 0 else 0
 
+    def explicit_attention(self) -> bool:
+        """Whether the (b, heads/tp, s, s) probabilities are stored: attention dropout in training,
+        computed here ("invariant") or by SDPA's math path (CPU; GPU kernels fuse it)."""
+        sh = self.shape
+        return sh.attn_dropout > 0 and (sh.attn_dropout_mode != "fused" or self.layout.device_type == "cpu")
+
     def attention_bytes(self) -> float:
         tp, c = self.layout.tp, self.c
         out = self._norm_out() + 3 * self.u / tp * c + self.u / tp * c
-        if self.shape.attn_dropout > 0:
+        if self.explicit_attention():
             fp32_softmax = self.layout.autocast and self.layout.device_type == "cuda"
             sm = 4 if fp32_softmax else c
             out += self.p2 * (sm + 1 + sm + (c if fp32_softmax else 0))
@@ -157,7 +159,7 @@ class GPTMemory:
         activations (the stream's, and the widest inner ones)."""
         tp, c = self.layout.tp, self.c
         recomputed = self.block_bytes() if self.layout.recompute != "none" else 0
-        inner = max(2 * self.hid / tp * c, (2 * self.p2 * c) if self.shape.attn_dropout > 0 else 3 * self.u / tp * c)
+        inner = max(2 * self.hid / tp * c, (2 * self.p2 * c) if self.explicit_attention() else 3 * self.u / tp * c)
         return recomputed + inner + 2 * self.u * 4
 
     # ---- the loss head ----
@@ -165,7 +167,7 @@ class GPTMemory:
         """The fused vocab-parallel CE's working set: gradients formed in the forward and one chunk."""
         sh, tp, c = self.shape, self.layout.tp, self.c
         classes = math.ceil(sh.vocab_size / tp)
-        chunk = min(sh.head_chunk_size, self.tokens)
+        chunk = min(sh.head_chunk_size or auto_chunk_size(classes), self.tokens)
         d = sh.d_model
         grads = self.tokens * d * 4 + classes * d * 4  # grad_h, grad_W (fp32)
         if c == 4:
