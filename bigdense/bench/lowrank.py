@@ -143,9 +143,11 @@ def main(argv=None) -> None:
         print("reference GPT, every dense layer of the blocks, held-out loss before -> after:")
         for energy, rep in zip(args.energies, results["gpt"]):
             ranks = [r["rank"] for r in rep["layers"] if not r["kept"]]
+            which = (f"{len(ranks)} of {len(rep['layers'])} layers at ranks {min(ranks)}-{max(ranks)}" if ranks
+                     else "no layer (no pair would be smaller)")
             print(f"  energy {energy:<5g} block params {rep['params_before']:>10,} -> {rep['params_after']:>10,} "
-                  f"({rep['params_after'] / rep['params_before']:.2f}x), ranks {min(ranks, default=0)}-"
-                  f"{max(ranks, default=0)}, loss {rep['held_out_loss_before']:.4f} -> {rep['held_out_loss_after']:.4f}")
+                  f"({rep['params_after'] / rep['params_before']:.2f}x), {which}, "
+                  f"loss {rep['held_out_loss_before']:.4f} -> {rep['held_out_loss_after']:.4f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 
