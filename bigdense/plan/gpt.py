@@ -173,8 +173,9 @@ class GPTMemory:
         if c == 4:
             work = classes * chunk * 4  # one fp32 logits buffer
         else:
-            # Cast operands; per chunk fp32 logits, their compute-width gradient, and one (C, d) product.
-            work = self.tokens * d * c + classes * d * c + classes * chunk * (4 + c) + classes * d * c
+            # Cast operands; per chunk fp32 logits, their compute-width gradient, and one (C, d)
+            # product with its fp32 copy (the per-token factor is applied in fp32).
+            work = self.tokens * d * c + classes * d * c + classes * chunk * (4 + c) + classes * d * (c + 4)
         return {"grads": grads, "chunk": work}
 
     # ---- FLOPs ----
