@@ -6,7 +6,8 @@ DP replicas, and the bytes hashed on a resharding load.
 
 1. tp=2, dp=1 (2 gloo CPU processes): a synchronous save, then an asynchronous one while training
    steps go on. The stall is the time ``save_checkpoint`` blocks the training loop (the slower
-   rank's); the asynchronous save's total time runs until its handle's ``wait()`` returns.
+   rank's, median of ``--repeats``); the asynchronous save's total time runs until its handle's
+   ``wait()`` returns.
 2. tp=2, dp=2 (4 processes): the same synchronous save; bytes written per rank and total time
    against dp=1, where one DP replica writes everything per TP rank.
 3. The tp=2 checkpoint loaded at tp=1, dp=2 (each rank needs every tensor whole): bytes copied and
@@ -29,6 +30,13 @@ def _slowest(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def _everywhere(flag: bool) -> bool:
+    """``flag`` on every rank (ranks must agree on how many training steps they run)."""
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t)
 
 
 def _build(args, tp):
@@ -61,30 +69,36 @@ def _saves(args, root: str, tp: int, with_async: bool):
     bd.save_checkpoint(f"{root}/warm", model, opt, step=0)
     if with_async:
         bd.save_checkpoint(f"{root}/warm", model, opt, step=0, async_=True).wait()
-    dist.barrier()
-    t0 = time.perf_counter()
-    bd.save_checkpoint(f"{root}/sync", model, opt, step=1)
-    out["sync_stall_s"] = _slowest(time.perf_counter() - t0)
+    sync = []
+    for r in range(args.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        bd.save_checkpoint(f"{root}/sync{r}", model, opt, step=1)
+        sync.append(_slowest(time.perf_counter() - t0))
+    out["sync_stall_s"] = statistics.median(sync)
     if with_async:
         step_times = []
         for _ in range(args.steps):  # the step time with no save in flight
             t = time.perf_counter()
             _step(model, opt, args)
             step_times.append(time.perf_counter() - t)
-        dist.barrier()
-        t0 = time.perf_counter()
-        handle = bd.save_checkpoint(f"{root}/async", model, opt, step=2, async_=True)
-        out["async_stall_s"] = _slowest(time.perf_counter() - t0)
-        during = []
-        while not handle.done():  # training goes on while the save writes
-            t = time.perf_counter()
-            _step(model, opt, args)
-            during.append(time.perf_counter() - t)
-        handle.wait()
-        out["async_total_s"] = _slowest(time.perf_counter() - t0)
+        stalls, totals, during = [], [], []
+        for r in range(args.repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            handle = bd.save_checkpoint(f"{root}/async{r}", model, opt, step=2, async_=True)
+            stalls.append(_slowest(time.perf_counter() - t0))
+            while not _everywhere(handle.done()):  # training goes on while the save writes
+                t = time.perf_counter()
+                _step(model, opt, args)
+                during.append(time.perf_counter() - t)
+            handle.wait()
+            totals.append(_slowest(time.perf_counter() - t0))
+        out["async_stall_s"] = statistics.median(stalls)
+        out["async_total_s"] = statistics.median(totals)
         out["step_s"] = statistics.median(step_times)
         out["step_during_save_s"] = statistics.median(during) if during else float("nan")
-    manifest = json.loads((Path(root) / "sync" / "manifest.json").read_text())
+    manifest = json.loads((Path(root) / "sync0" / "manifest.json").read_text())
     out["bytes_written_per_rank"] = manifest["bytes_written_per_rank"]
     bd.destroy_parallel()
     return out
@@ -108,6 +122,7 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--steps", type=int, default=3, help="training steps timed without a save in flight")
+    parser.add_argument("--repeats", type=int, default=3, help="saves timed per kind (the median is printed)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -119,13 +134,13 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         dp1 = run_ranks(_saves, 2, args, f"{root}/dp1", 2, True, timeout=3600, collective_timeout=1200)[0]
         dp2 = run_ranks(_saves, 4, args, f"{root}/dp2", 2, False, timeout=3600, collective_timeout=1200)[0]
-        loads = {v: run_ranks(_load, 2, args, f"{root}/dp1/sync", v, timeout=3600, collective_timeout=1200)
+        loads = {v: run_ranks(_load, 2, args, f"{root}/dp1/sync0", v, timeout=3600, collective_timeout=1200)
                  for v in ("all", "node")}
     mb = 1e6
     total = sum(dp1["bytes_written_per_rank"])
     print(f"GPT d={args.d}, {args.layers} layers, vocab {args.vocab}, fp32 + AdamW: checkpoint {total / mb:.0f} MB; "
           f"gloo CPU processes x 1 thread")
-    print("1. training-step stall of a save, tp=2 dp=1 (slower rank)")
+    print(f"1. training-step stall of a save, tp=2 dp=1 (slower rank, median of {args.repeats})")
     print(f"   synchronous (baseline): {dp1['sync_stall_s']:.3f} s")
     print(f"   asynchronous:           {dp1['async_stall_s']:.3f} s   ratio {dp1['async_stall_s'] / dp1['sync_stall_s']:.3f}"
           f"  (target < 0.10); background save done after {dp1['async_total_s']:.3f} s")

@@ -1,7 +1,7 @@
 """Asynchronous saves: the snapshot in host memory, the writing in a background thread.
 
-`copy_to_host` snapshots the tensors a rank writes (into pinned buffers reused from save to save
-on GPUs, with one CUDA event to wait on; a plain copy on CPU). `start` runs the writing and the
+`copy_to_host` snapshots the tensors a rank writes into host buffers reused from save to save
+(pinned on GPUs, with one CUDA event for the background thread to wait on). `start` runs the writing and the
 commit in a thread whose collectives go over a gloo group of their own (`_background_group`,
 created once, collectively, by the first asynchronous save), so they never interleave with the
 training's collectives. At most one save is in flight; `wait_for_checkpoints` waits for it, and
@@ -23,7 +23,7 @@ log = logging.getLogger("bigdense")
 
 _in_flight: Optional["SaveHandle"] = None
 _group: Optional[tuple] = None  # (the world group it was made for, the gloo group)
-_pinned: dict = {}  # (key, offsets) -> pinned host buffer, reused by the next save of the same tensor
+_staging: dict = {}  # (key, offsets) -> host buffer (pinned on GPUs), reused by the next save of the same tensor
 
 
 class SaveHandle:
@@ -91,29 +91,32 @@ def start(path: Path, work: Callable[[object], Path]) -> SaveHandle:
 
 
 def copy_to_host(snapshot):
-    """``snapshot`` with every tensor replaced by a host copy taken now."""
-    global _pinned
+    """``snapshot`` with every tensor replaced by a host copy taken now.
+
+    The host buffers (pinned on GPUs) are kept and reused by the next save of the same tensors:
+    at most one save is in flight, and a fresh allocation's first touch of every page would cost
+    about as much as the copy itself.
+    """
+    global _staging
     on_gpu = any(p.tensor.is_cuda for p in [*snapshot.model, *snapshot.optim])
-    reused, pinned = _pinned, {}
+    reused, staging = _staging, {}
 
     def copy(piece):
         t = piece.tensor.detach()
-        if not t.is_cuda:
-            return dataclasses.replace(piece, tensor=t.clone(memory_format=torch.contiguous_format))
         key = (piece.key, piece.offsets)
         buf = reused.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        pinned[key] = buf
-        buf.copy_(t, non_blocking=True)
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        staging[key] = buf
+        buf.copy_(t, non_blocking=t.is_cuda)
         return dataclasses.replace(piece, tensor=buf)
 
     model, optim = [copy(p) for p in snapshot.model], [copy(p) for p in snapshot.optim]
+    _staging = staging
     ready = None
     if on_gpu:
         ready = torch.cuda.Event()
         ready.record()
-        _pinned = pinned
     return dataclasses.replace(snapshot, model=model, optim=optim, ready=ready)
 
 
@@ -137,4 +140,4 @@ def release() -> None:
     global _group, _in_flight
     wait_for_checkpoints(raise_failure=False)
     _in_flight, _group = None, None
-    _pinned.clear()
+    _staging.clear()
