@@ -11,6 +11,7 @@ goes to its Hydra run directory: metrics.jsonl, loss_curve.png, checkpoints/, tr
 """
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -51,9 +52,13 @@ def main(cfg) -> None:
             time.sleep(10)
         print(f"bigdense: bad config{f' (rank {rank})' if rank else ''}: {err}", file=sys.stderr)
         sys.exit(2)
-    except (TrainingStopped, CollectiveFailure) as err:  # a fault the run cannot continue past; a
-        print(f"bigdense: {err}", file=sys.stderr)         # launcher with restarts resumes from `latest`
+    except TrainingStopped as err:  # a fault the run cannot continue past
+        print(f"bigdense: {err}", file=sys.stderr)
         sys.exit(1)
+    except CollectiveFailure as err:  # a peer is gone: exit now, and a launcher with restarts resumes
+        print(f"bigdense: {err}", file=sys.stderr, flush=True)  # from `latest`; a background save still
+        logging.shutdown()                                        # in flight would wait for the missing
+        os._exit(1)                                               # peer, and is safely abandoned
 
 
 def train(cfg) -> None:
