@@ -18,6 +18,7 @@ from .models import MODELS, GPTConfig
 from .models.gpt import ATTENTION_DROPOUT_MODES
 from .parallel.context import ParallelDims
 from .train.checkpointing import check_checkpointing
+from .train.compile import check_compile
 from .train.engines import EngineSettings
 from .train.engines.factory import check_engine
 from .train.precision import check_precision
@@ -141,6 +142,11 @@ class TrainerConfig:
     on_save_error: str = "continue"  # a failed save: "continue" (logged) or "stop"
     checkpoint_verify: str = "node"  # checksums on load: once per "node", "first" reader, "all" readers, "none"
     max_bad_steps: int = 10  # consecutive non-finite steps before rolling back to the last checkpoint (0: never)
+    checked_steps: int = 10  # host-side id/label range checks for this many steps, then off (BIGDENSE_CHECKS=1: always)
+    compile: bool = False  # torch.compile each transformer block
+    compile_backend: str = "inductor"  # "inductor", "aot_eager" (no C++ compiler needed) or "eager"
+    tensorboard: bool = False  # also write the metrics as TensorBoard event files in <run dir>/tensorboard
+    peak_tflops: Optional[float] = None  # per-device peak for MFU; None: looked up from the GPU's name
 
 
 @dataclass
@@ -227,12 +233,15 @@ def validate(cfg, world_size: int, device_type: str) -> None:
                 "trainer.log_interval", "trainer.eval_batches", "parallel.timeout_s"):
         group, name = key.split(".")
         check_positive(key, getattr(getattr(cfg, group), name))
-    for key in ("trainer.eval_interval", "trainer.save_interval"):
+    for key in ("trainer.eval_interval", "trainer.save_interval", "trainer.checked_steps"):
         group, name = key.split(".")
         check_positive(key, getattr(getattr(cfg, group), name), allow_zero=True)
     for key in ("d_hidden", "head_chunk_size"):  # None: the model's own choice
         if getattr(m, key) is not None:
             check_positive(f"model.{key}", getattr(m, key))
+    check_compile(cfg.trainer.compile_backend)
+    if cfg.trainer.peak_tflops is not None:
+        check_positive("trainer.peak_tflops", cfg.trainer.peak_tflops)
     for key in ("dropout", "attention_dropout"):
         if not 0.0 <= getattr(m, key) < 1.0:
             raise ConfigError(f"model.{key} must be in [0, 1), got {getattr(m, key)}")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from tqdm import tqdm
 
@@ -25,12 +26,47 @@ from bigdense.config import ConfigError, register_configs
 from bigdense.data import prepare_data
 from bigdense.train import EngineSettings, apply_recompute, build_engine
 from bigdense.train.checkpointing import RunCheckpoints, train_step_or_diagnose
+from bigdense.train.compile import compile_blocks
+from bigdense.train.flops import flops_per_token, mfu, peak_tflops
 from bigdense.train.faults import BadSteps, CollectiveFailure, TrainingStopped
 from bigdense.train.run_setup import build_gpt, launcher_world, start_run
 from bigdense.train.metrics import DenseLayerStats, MetricsLog, peak_memory_gb, plot_loss_curve
 
 log = logging.getLogger("bigdense")
 register_configs()
+
+
+class Window:
+    """A log interval's step results, kept on the device until a sync point reads them."""
+
+    def __init__(self):
+        self.start, self.steps, self.last = time.perf_counter(), 0, None
+        self.loss_sum = self.applied = self.skipped = 0.0
+        self.pending: list = []  # (step, data position, skipped flag) not yet shown to BadSteps
+
+    def add(self, result, step: int, pos: int) -> None:
+        skipped = torch.as_tensor(result.raw["skipped"]).float()
+        self.loss_sum = self.loss_sum + torch.as_tensor(result.raw["loss"]).float() * (1 - skipped)
+        self.applied, self.skipped = self.applied + (1 - skipped), self.skipped + skipped
+        self.steps, self.last = self.steps + 1, result
+        self.pending.append((step, pos, skipped))
+
+    def replay(self, bad_steps) -> bool:
+        """Show the pending steps' outcomes to ``bad_steps`` in order (one host read); True when
+        it asks for a rollback (the steps after that one are undone by it anyway)."""
+        flags = torch.stack([flag for _, _, flag in self.pending]).tolist() if self.pending else []
+        pending, self.pending = self.pending, []
+        return any(bad_steps.record(step, pos, flag > 0) for (step, pos, _), flag in zip(pending, flags))
+
+    def read(self) -> dict:
+        """The interval's mean loss over its applied steps (one step's loss is too noisy to
+        read) and the last step's numbers, as Python values."""
+        applied, last = float(self.applied), self.last
+        return {
+            "loss": float(self.loss_sum) / applied if applied else float("nan"), "last_loss": last.loss,
+            "grad_norm": last.grad_norm, "lr": last.lr, "skipped": last.skipped,
+            "skipped_steps": int(float(self.skipped)), "loss_scale": last.loss_scale,
+        }
 
 
 def evaluate(engine, data, ctx, n_batches: int) -> float:
@@ -70,9 +106,11 @@ def train(cfg) -> None:
     data = prepare_data(cfg.data, ctx, seed=cfg.trainer.seed)
     log.info("data: %s", data.describe())
 
-    # 3. Parallelism, applied in a fixed order: TP (the model is built sharded), activation
-    #    checkpointing, then the engine (DP, precision, optimizer, clipping).
+    # 3. Parallelism, applied in a fixed order: TP (the model is built sharded), torch.compile of
+    #    each block, activation checkpointing, then the engine (DP, precision, optimizer, clipping).
     model = build_gpt(cfg.model, data.tokenizer.vocab_size, ctx)
+    if tr.compile:
+        compile_blocks(model.blocks, tr.compile_backend)
     apply_recompute(model.blocks, cfg.recompute)
     engine = build_engine(model, ctx, EngineSettings.from_run_config(cfg))
     counts = model.num_parameters()
@@ -95,60 +133,73 @@ def train(cfg) -> None:
     # 5. The loop. The batch of a step is a pure function of (seed, data position), and the data
     #    position is the step plus an offset that only a rollback past bad batches moves.
     bad_steps = BadSteps(tr.max_bad_steps)
-    metrics = MetricsLog(run.run_dir, ctx.is_main)
+    #    Nothing in a step reads the device on the host (checks off after the first steps; the
+    #    engine's results are tensors): skip flags and the interval's numbers are read at the
+    #    interval's sync points (log, evaluation, save), so a rollback for bad steps happens there.
+    metrics = MetricsLog(run.run_dir, ctx.is_main, tensorboard=tr.tensorboard)
     stats = DenseLayerStats(model, ctx.tp_group) if tr.log_rms else None
     tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * ctx.dp_size
     bar = tqdm(total=tr.max_steps, initial=start_step, disable=not (ctx.is_main and tr.progress_bar),
                dynamic_ncols=True, desc="train")
-    window_start, window_steps, window_losses = time.perf_counter(), 0, []
+    flops_token = flops_per_token(counts["total"], cfg.model.n_layers, cfg.model.d_model, cfg.data.seq_len)
+    peak = peak_tflops(ctx.device, tr.peak_tflops)
+    explicit_checks = os.environ.get("BIGDENSE_CHECKS") is not None  # the user's word wins
+    window = Window()
     step = start_step
     while step < tr.max_steps:
         step += 1
         pos = step + data_offset
         micro_batches = [data.train_batch(pos, m, ctx.dp_rank, ctx.dp_size) for m in range(cfg.data.grad_accum)]
         log_now = step % tr.log_interval == 0 or step == tr.max_steps
+        eval_now = bool(tr.eval_interval) and step % tr.eval_interval == 0 and step != tr.max_steps
+        save_now = bool(tr.save_interval) and step % tr.save_interval == 0 and step != tr.max_steps
         if stats is not None:
             stats.capture = log_now
+        if not explicit_checks:
+            bd.set_checks(step <= start_step + tr.checked_steps)
         result = train_step_or_diagnose(engine, micro_batches, ctx, step)
         if stats is not None:
             stats.capture = False  # not through the evaluation that may follow
-        if bad_steps.record(step, pos, result.skipped):
+        window.add(result, step, pos)
+        bar.update(1)
+        if (log_now or eval_now or save_now) and window.replay(bad_steps):  # one host sync
             step, data_offset = ckpts.rollback(bad_steps)
             bar.reset(total=tr.max_steps)
             bar.update(step)
+            window = Window()
             continue
-        window_steps += 1
-        if not result.skipped:
-            window_losses.append(result.loss)
-        bar.update(1)
-        bar.set_postfix(loss=f"{result.loss:.3f}")
-        if result.skipped:
-            log.warning("step %d skipped: grad norm %s, loss scale %s", step, result.grad_norm, result.loss_scale)
         if log_now:
-            step_time = (time.perf_counter() - window_start) / window_steps
-            # The loss averaged over the log interval: one step's loss is too noisy to read.
-            mean_loss = sum(window_losses) / len(window_losses) if window_losses else float("nan")
+            step_time = (time.perf_counter() - window.start) / window.steps
+            summary = window.read()
+            bar.set_postfix(loss=f"{summary['last_loss']:.3f}")
+            if summary["skipped_steps"]:
+                log.warning("%d of the last %d steps skipped (non-finite loss or gradients; grad norm %s, loss "
+                            "scale %s). With host checks off (bd.set_checks), an id or label out of range also "
+                            "gives NaN: rerun with BIGDENSE_CHECKS=1 to have it named.", summary["skipped_steps"],
+                            window.steps, summary["grad_norm"], summary["loss_scale"])
+            tokens_per_s_device = tokens_per_step / step_time / ctx.world_size
             record = {
-                "kind": "train", "step": step, "loss": mean_loss, "last_loss": result.loss, "grad_norm": result.grad_norm,
-                "lr": result.lr, "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-                "peak_mem_gb": peak_memory_gb(ctx.device), "skipped": result.skipped, "loss_scale": result.loss_scale,
+                "kind": "train", "step": step, **summary, "tokens_per_s": tokens_per_step / step_time,
+                "tokens_per_s_per_device": tokens_per_s_device, "mfu": mfu(tokens_per_s_device, flops_token, peak),
+                "step_time_s": step_time, "peak_mem_gb": peak_memory_gb(ctx.device),
             }
             if stats is not None:
                 record.update(stats.collect())
             metrics.write(record)
             if ctx.is_main:
-                bar.write(f"step {step:5d} | loss {mean_loss:.4f} | grad norm {result.grad_norm:.3f} | "
-                          f"lr {result.lr:.2e} | {record['tokens_per_s']:,.0f} tok/s | "
-                          f"{step_time * 1e3:.0f} ms/step | peak mem {record['peak_mem_gb']:.2f} GB")
-        if tr.eval_interval and step % tr.eval_interval == 0 and step != tr.max_steps:
+                util = f" | MFU {record['mfu']:.1%}" if record["mfu"] is not None else ""
+                bar.write(f"step {step:5d} | loss {record['loss']:.4f} | grad norm {record['grad_norm']:.3f} | "
+                          f"lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s | "
+                          f"{step_time * 1e3:.0f} ms/step{util} | peak mem {record['peak_mem_gb']:.2f} GB")
+        if eval_now:
             eval_loss = evaluate(engine, data, ctx, tr.eval_batches)
             metrics.write({"kind": "eval", "step": step, "eval_loss": eval_loss})
             if ctx.is_main:
                 bar.write(f"step {step:5d} | held-out loss {eval_loss:.4f}")
-        if tr.save_interval and step % tr.save_interval == 0 and step != tr.max_steps:
+        if save_now:
             ckpts.save(step, data_offset)
         if log_now:  # evaluation and saving stay out of the next interval's step time
-            window_start, window_steps, window_losses = time.perf_counter(), 0, []
+            window = Window()
     bar.close()
 
     # 6. The final checkpoint, a held-out evaluation, the loss curve.

@@ -34,6 +34,62 @@ def is_tp_sharded(param: torch.Tensor) -> bool:
     return shard_spec_of(param) is not None
 
 
+def _check_norm_type(norm_type) -> float:
+    try:
+        value = float(norm_type)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value > 0:  # also catches nan
+        raise ValueError(f"clip_grad_norm_: norm_type must be a number > 0 or inf, got {norm_type!r}")
+    return value
+
+
+def grad_norm(
+    model_or_params: Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]],
+    norm_type: float = 2.0,
+    *,
+    tp_group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """The global gradient norm the unsharded model would have (fp32, 0-dim), without clipping.
+
+    What `clip_grad_norm_` measures; see there. One all-reduce of one scalar over ``tp_group``,
+    foreach kernels (a handful of launches whatever the number of parameters), no host sync.
+    """
+    norm_type = _check_norm_type(norm_type)
+    group = resolve_tp_group(tp_group)
+    every = unique_params(model_or_params)
+    params = [p for p in every if p.grad is not None]
+    # A rank without gradients still joins the all-reduce, on the device its collectives use.
+    device = params[0].grad.device if params else (every[0].device if every else torch.device("cpu"))
+    sharded = [p.grad.detach() for p in params if is_tp_sharded(p)]
+    replicated = [p.grad.detach() for p in params if not is_tp_sharded(p)]
+    # Replicated gradients are the same on every TP rank: counted on TP rank 0 only, but as 0 * g
+    # elsewhere, so an inf/nan on any rank still poisons the total (0 * inf = nan).
+    weight = 1.0 if comm.group_rank(group) == 0 else 0.0
+    if math.isinf(norm_type):
+        local = torch.maximum(_foreach_max_abs(sharded, device), _foreach_max_abs(replicated, device) * weight)
+        # gloo/NCCL MAX may keep or drop a nan depending on operand order; inf survives either way.
+        local = torch.nan_to_num(local, nan=math.inf, posinf=math.inf)
+        return comm.all_reduce_(local, group, op=dist.ReduceOp.MAX)
+    local = _foreach_power_sum(sharded, norm_type, device) + _foreach_power_sum(replicated, norm_type, device) * weight
+    return comm.all_reduce_(local, group).pow(1.0 / norm_type)
+
+
+def _foreach_power_sum(grads: list, norm_type: float, device) -> torch.Tensor:
+    """sum_i ||g_i||_p^p in fp32 (foreach: one launch per dtype/device group, not per tensor)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
+    return torch.stack([n.to(device) for n in norms]).pow(norm_type).sum()
+
+
+def _foreach_max_abs(grads: list, device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm(grads, math.inf, dtype=torch.float32)
+    return torch.stack([n.to(device) for n in norms]).amax()
+
+
 def clip_grad_norm_(
     model_or_params: Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]],
     max_norm: float,
@@ -49,62 +105,40 @@ def clip_grad_norm_(
     TP-replicated parameters (a RowParallelLinear bias, LayerNorm weights) hold the same gradient on
     every TP rank and are counted once. Tied parameters are counted once. Norms accumulate in fp32
     whatever the gradients' dtype. ``norm_type`` is any p > 0 or ``inf`` (the largest magnitude).
+    ``max_norm`` must be a finite number > 0 (to measure without clipping, use `grad_norm`).
 
     Collectives: one all-reduce of one scalar over ``tp_group`` (SUM for a p-norm, MAX for inf);
     ``tp_group`` defaults to the default context's. Nothing runs over DP: call this after DP
     gradient averaging (DDP's backward, or an explicit all-reduce), when every DP replica holds the
-    same gradients and so computes the same norm and the same clip coefficient.
+    same gradients and so computes the same norm and the same clip coefficient. Foreach kernels
+    and no host sync: the coefficient is applied on the device.
 
-    ``max_norm <= 0`` only measures. A non-finite norm (an inf or nan in any gradient on any TP
-    rank: replicated gradients enter the TP sum as ``0 * g`` on all but TP rank 0, which keeps an
-    inf/nan non-finite) leaves the gradients untouched and is returned, so the caller can skip the
-    step and report it; with ``error_if_nonfinite=True`` it raises instead. In the inf-norm a nan
-    comes back as inf (MAX reductions may drop nans).
+    A non-finite norm (an inf or nan in any gradient on any TP rank) leaves the gradients
+    untouched and is returned, so the caller can skip the step and report it; with
+    ``error_if_nonfinite=True`` it raises instead (which reads the norm on the host). In the
+    inf-norm a nan comes back as inf (MAX reductions may drop nans).
     """
-    norm_type = float(norm_type)
-    if not (norm_type > 0):
-        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type}")
-    group = resolve_tp_group(tp_group)
-    every = unique_params(model_or_params)
-    params = [p for p in every if p.grad is not None]
-    grads = [p.grad for p in params]
-    # A rank without gradients still joins the all-reduce, on the device its collectives use.
-    device = grads[0].device if grads else (every[0].device if every else torch.device("cpu"))
-    total = _total_norm(params, grads, norm_type, group, device)
-
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (
+        math.isfinite(max_norm) and max_norm > 0
+    ):
+        raise ValueError(
+            f"clip_grad_norm_: max_norm must be a finite number > 0, got {max_norm!r} "
+            "(to measure the norm without clipping, use bd.grad_norm)"
+        )
+    total = grad_norm(model_or_params, norm_type, tp_group=tp_group)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
-            f"clip_grad_norm_: the total {norm_type}-norm of the gradients is non-finite ({total.item()}); "
+            f"clip_grad_norm_: the total {float(norm_type)}-norm of the gradients is non-finite ({total.item()}); "
             "pass error_if_nonfinite=False to get it back and skip the step instead"
         )
-    if max_norm > 0 and grads:
+    grads = [p.grad for p in unique_params(model_or_params) if p.grad is not None]
+    if grads:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
+        by_dtype: dict = {}
         for g in grads:
-            g.mul_(coef.to(device=g.device, dtype=g.dtype))
+            by_dtype.setdefault((g.device, g.dtype), []).append(g)
+        for (device, dtype), group_grads in by_dtype.items():
+            torch._foreach_mul_(group_grads, coef.to(device=device, dtype=dtype))
     return total
 
-
-def _total_norm(params, grads, norm_type: float, group, device) -> torch.Tensor:
-    """The global ``norm_type``-norm of ``grads`` (one all-reduce over ``group``), as documented in
-    `clip_grad_norm_`: sharded gradients summed over TP, replicated ones counted on TP rank 0."""
-    first_tp_rank = comm.group_rank(group) == 0
-    if math.isinf(norm_type):
-        local = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            if g.numel():
-                local = torch.maximum(local, g.detach().abs().max().float())
-        # gloo/NCCL MAX may keep or drop a nan depending on operand order; inf survives either way.
-        local = torch.nan_to_num(local, nan=math.inf, posinf=math.inf)
-        return comm.all_reduce_(local, group, op=dist.ReduceOp.MAX)
-    sharded = torch.zeros((), dtype=torch.float32, device=device)
-    replicated = torch.zeros((), dtype=torch.float32, device=device)
-    for p, g in zip(params, grads):
-        term = torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).pow(norm_type)
-        if is_tp_sharded(p):
-            sharded = sharded + term
-        else:
-            replicated = replicated + term
-    # 0 * inf = nan: a non-finite replicated gradient on any TP rank still poisons the sum.
-    local = sharded + replicated * (1.0 if first_tp_rank else 0.0)
-    return comm.all_reduce_(local, group).pow(1.0 / norm_type)

@@ -1,6 +1,6 @@
-"""What a training run records: JSONL metrics, peak memory, the RMS of every dense layer (weights,
-activations, gradients), and the loss curve as a PNG. (The console line and the progress bar are
-`launch/train.py`'s.)
+"""What a training run records: JSONL metrics (and the same scalars as TensorBoard event files),
+peak memory, the RMS of every dense layer (weights, activations, gradients), and the loss curve as
+a PNG. (The console line and the progress bar are `launch/train.py`'s.)
 
 Only the main rank writes; every rank takes part in the collectives of `DenseLayerStats`.
 """
@@ -31,20 +31,36 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class MetricsLog:
-    """Appends one JSON object per line to ``metrics.jsonl`` (main rank only)."""
+    """Appends one JSON object per line to ``metrics.jsonl`` (main rank only); with
+    ``tensorboard=True`` also writes every numeric field as a TensorBoard scalar, tagged
+    ``<kind>/<field>`` at the record's ``step``, to event files in ``<run_dir>/tensorboard``."""
 
-    def __init__(self, run_dir: Path, enabled: bool):
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = False):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = open(self.path, "a", buffering=1) if enabled else None
+        self._tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
 
     def write(self, record: dict) -> None:
-        if self.enabled:
-            self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        if self._tb is not None and "step" in record:
+            kind = record.get("kind", "train")
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"{kind}/{key}", value, record["step"])
+            self._tb.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def _is_dense(module: nn.Module) -> bool:

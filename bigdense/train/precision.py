@@ -13,7 +13,10 @@ parallelism each rank holds different gradient shards, so an overflow in one ran
 that rank skip its step while the others apply theirs, and from then on the shards of one weight
 matrix belong to different models (and their scales drift apart). Here the found-inf flag is
 all-reduced (MAX) over a group that spans every rank taking part in the step (TP and DP), so all
-ranks skip together and lower the scale together.
+ranks skip together and lower the scale together. The scale and its growth counter live on the
+device and are updated there (``torch._amp_update_scale_``), unscaling is one foreach kernel that
+also finds infs/nans (``torch._amp_foreach_non_finite_check_and_unscale_``): the engines' step
+reads nothing back to the host.
 """
 from __future__ import annotations
 
@@ -75,6 +78,9 @@ class DynamicLossScaler:
 
     ``group`` must span every rank that applies the same optimizer step: the whole TP x DP mesh
     (the engines pass the world group when distributed). ``None`` means a single process.
+    ``device``: where the scale lives (the gradients' device). Engines use the sync-free pair
+    `unscale_and_check_` (a local found-inf tensor; they take one vote for the whole step) and
+    ``update(tensor)``; ``get_scale()``/``scale_value``/``growth_tracker`` read the device values.
     ``state_dict()``/``load_state_dict()`` carry the scale and the growth counter through
     checkpoints, so a resumed run scales exactly as the uninterrupted one.
     """
@@ -88,6 +94,7 @@ class DynamicLossScaler:
         growth_interval: int = 1000,
         min_scale: float = 1.0,
         group: Optional[dist.ProcessGroup] = None,
+        device="cpu",
     ):
         if not (math.isfinite(init_scale) and init_scale > 0):
             raise ConfigError(f"precision.init_scale must be a positive finite number, got {init_scale!r}")
@@ -105,43 +112,57 @@ class DynamicLossScaler:
         self.growth_interval = int(growth_interval)
         self.min_scale = float(min_scale)
         self.group = group
-        self.scale_value = float(init_scale)
-        self.growth_tracker = 0  # overflow-free steps since the last change of scale
+        self.device = torch.device(device)
+        self.scale_tensor = torch.full((), float(init_scale), dtype=torch.float32, device=self.device)
+        # overflow-free steps since the last change of scale
+        self._tracker = torch.zeros((), dtype=torch.int32, device=self.device)
+
+    @property
+    def scale_value(self) -> float:
+        return float(self.scale_tensor.item())
+
+    @property
+    def growth_tracker(self) -> int:
+        return int(self._tracker.item())
 
     @classmethod
-    def from_config(cls, cfg, group: Optional[dist.ProcessGroup]) -> "DynamicLossScaler":
+    def from_config(cls, cfg, group: Optional[dist.ProcessGroup], device="cpu") -> "DynamicLossScaler":
         """From a ``PrecisionConfig`` (``init_scale``, ``growth_interval``, ``min_scale``)."""
         return cls(float(cfg.init_scale), growth_interval=int(cfg.growth_interval),
-                   min_scale=float(cfg.min_scale), group=group)
+                   min_scale=float(cfg.min_scale), group=group, device=device)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scale_value
+        return loss * self.scale_tensor.to(loss.device)
+
+    def unscale_and_check_(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
+        """Divide every gradient by the scale in place (in the gradients' dtype: fp32 master
+        gradients); return this rank's found-inf flag, a 0-dim float tensor (1.0: an inf/nan).
+        No collective and no host sync: the caller takes the vote."""
+        found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
+        inv_scale = self.scale_tensor.double().reciprocal().float()
+        by_device: dict = {}
+        for p in unique_params(params):
+            if p.grad is not None:
+                by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for (device, _), grads in by_device.items():
+            flag = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device))
+            found_inf = torch.maximum(found_inf, flag.to(self.device))
+        return found_inf
 
     def unscale_(self, params: Iterable[torch.Tensor]) -> bool:
-        """Divide every gradient by the scale in place; return True on every rank if any rank saw
-        an inf/nan. The division happens in the gradients' dtype (fp32 master gradients)."""
-        inv = 1.0 / self.scale_value
-        flags = []
-        device = None
-        for p in unique_params(params):
-            if p.grad is None:
-                continue
-            p.grad.mul_(inv)
-            flags.append(torch.isfinite(p.grad).all())
-            device = p.grad.device
-        local = bool(flags) and not bool(torch.stack(flags).all())
-        return any_rank(local, self.group, device or "cpu")
+        """`unscale_and_check_`, then the vote: True on every rank of ``group`` if any rank saw an
+        inf/nan (one all-reduce MAX; reads the result on the host)."""
+        local = self.unscale_and_check_(params)
+        return bool(comm.all_reduce_(local, self.group, op=dist.ReduceOp.MAX).item() > 0)
 
-    def update(self, found_inf: bool) -> None:
-        """Lower the scale after an overflow; raise it after ``growth_interval`` clean steps."""
-        if found_inf:
-            self.scale_value = max(self.scale_value * self.backoff_factor, self.min_scale)
-            self.growth_tracker = 0
-            return
-        self.growth_tracker += 1
-        if self.growth_tracker >= self.growth_interval:
-            self.scale_value *= self.growth_factor
-            self.growth_tracker = 0
+    def update(self, found_inf) -> None:
+        """Lower the scale after an overflow; raise it after ``growth_interval`` clean steps.
+        ``found_inf``: a bool, or a 0-dim tensor (then nothing is read on the host)."""
+        flag = torch.as_tensor(found_inf, dtype=torch.float32).to(self.device)
+        torch._amp_update_scale_(self.scale_tensor, self._tracker, flag, self.growth_factor,
+                                 self.backoff_factor, self.growth_interval)
+        self.scale_tensor.clamp_(min=self.min_scale)
 
     def get_scale(self) -> float:
         return self.scale_value
@@ -157,8 +178,8 @@ class DynamicLossScaler:
         missing = {"scale", "growth_tracker"} - set(state)
         if missing:
             raise KeyError(f"DynamicLossScaler.load_state_dict: missing {sorted(missing)} in {sorted(state)}")
-        self.scale_value = float(state["scale"])
-        self.growth_tracker = int(state["growth_tracker"])
+        self.scale_tensor.fill_(float(state["scale"]))
+        self._tracker.fill_(int(state["growth_tracker"]))
         # The schedule's knobs come from the current config; the checkpoint's are kept only as a record.
 
 
@@ -172,7 +193,7 @@ class Precision:
         self.name = str(cfg.dtype)
         self.dtype = compute_dtype(self.name)
         self.device = torch.device(device)
-        self.scaler = DynamicLossScaler.from_config(cfg, group) if self.name == "fp16" else None
+        self.scaler = DynamicLossScaler.from_config(cfg, group, self.device) if self.name == "fp16" else None
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.name, self.device)

@@ -33,6 +33,19 @@ class WarmupCosine:
         progress = min(1.0, (step - self.warmup_steps) / span)
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
+    def on_device(self, step: torch.Tensor) -> torch.Tensor:
+        """The same multiplier for a step count held in a tensor (float64, on its device): lets an
+        engine hold the schedule on skipped steps without reading the skip decision on the host."""
+        step = step.double()
+        warm = (step + 1) / max(1, self.warmup_steps)
+        if self.schedule == "constant":
+            after = torch.ones_like(step)
+        else:
+            span = max(1, self.total_steps - self.warmup_steps)
+            progress = ((step - self.warmup_steps) / span).clamp(max=1.0)
+            after = self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + torch.cos(math.pi * progress))
+        return torch.where(step < self.warmup_steps, warm, after)
+
 
 SCHEDULES = ("cosine", "constant")  # optim.schedule
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ...parallel import comm
 from ...parallel.context import ParallelContext
 from ...parallel.random import batch_slice
 from ...validation import ConfigError, check_choice, check_positive, check_positive_int
@@ -30,15 +31,31 @@ from ..precision import autocast
 from ..schedule import check_schedule
 
 
-@dataclass
 class StepResult:
-    """What one optimizer step reports, the same on every rank."""
+    """What one optimizer step reports, the same on every rank.
 
-    loss: float  # mean over the step's micro-batches and over DP
-    grad_norm: float  # global gradient norm before clipping (inf/nan when the step was skipped for it)
-    skipped: bool  # no update happened (overflow or non-finite gradients on some rank)
-    lr: float  # the learning rate this step used (or would have used)
-    loss_scale: float  # the fp16 loss scale this step used; 1.0 for fp32/bf16
+    ``loss`` (mean over the step's micro-batches and over DP), ``grad_norm`` (global, before
+    clipping; inf/nan when the step was skipped for it), ``skipped`` (no update happened: overflow
+    or non-finite gradients on some rank), ``lr`` (the learning rate this step used, or would have
+    used) and ``loss_scale`` (fp16's scale this step; 1.0 for fp32/bf16) are Python numbers.
+    The DDP engine hands them over as 0-dim device tensors, in ``raw``: reading an attribute waits
+    for the step to finish on the device, so a training loop sums ``raw`` values on the device and
+    reads once per log interval.
+    """
+
+    FIELDS = ("loss", "grad_norm", "skipped", "lr", "loss_scale")
+
+    def __init__(self, loss, grad_norm, skipped, lr, loss_scale):
+        self.raw = dict(loss=loss, grad_norm=grad_norm, skipped=skipped, lr=lr, loss_scale=loss_scale)
+
+    loss = property(lambda self: float(self.raw["loss"]))
+    grad_norm = property(lambda self: float(self.raw["grad_norm"]))
+    skipped = property(lambda self: bool(self.raw["skipped"]))
+    lr = property(lambda self: float(self.raw["lr"]))
+    loss_scale = property(lambda self: float(self.raw["loss_scale"]))
+
+    def __repr__(self) -> str:
+        return "StepResult(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.FIELDS) + ")"
 
 
 @dataclass(frozen=True)
@@ -193,9 +210,10 @@ class Engine:
             )
         return loss
 
-    def _dp_mean(self, value: torch.Tensor) -> float:
+    def _dp_mean_tensor(self, value: torch.Tensor) -> torch.Tensor:
         if self.ctx.dp_size > 1:
-            value = value.clone()
-            dist.all_reduce(value, group=self.ctx.dp_group)
-            value /= self.ctx.dp_size
-        return float(value.item())
+            value = comm.all_reduce_(value.clone(), self.ctx.dp_group) / self.ctx.dp_size
+        return value
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        return float(self._dp_mean_tensor(value).item())

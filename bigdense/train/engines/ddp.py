@@ -6,9 +6,12 @@ import inspect
 
 import torch
 
+import torch.distributed as dist
+
+from ...parallel import comm
 from ...validation import check_positive
-from ..clip import clip_grad_norm_
-from ..precision import Precision, any_rank
+from ..clip import clip_grad_norm_, grad_norm
+from ..precision import Precision
 from ..schedule import build_lr_schedule
 from .base import Engine, EngineSettings, StepResult, mesh_group, param_groups
 
@@ -26,11 +29,19 @@ class DDPEngine(Engine):
 
     Data parallelism: DDP over the DP group only (never the world, which would average across TP
     shards), and only when ``dp_size > 1``; all micro-batches but the last run under ``no_sync()``,
-    so gradients are all-reduced once per step. Then, in order: fp16 unscale (one world all-reduce
-    of the found-inf flag), `clip_grad_norm_` with ``optim.grad_clip`` (one TP all-reduce), one world
-    all-reduce agreeing on skipping, the AdamW step and the LR schedule (only when not skipped), the
-    loss-scale update, and one DP all-reduce of the loss for reporting. Parameters stay fp32 and the
-    forward runs under autocast.
+    so gradients are all-reduced once per step. Then, in order: fp16 unscale (foreach, a local
+    found-inf flag), `clip_grad_norm_` with ``optim.grad_clip`` (foreach, one TP all-reduce), one
+    world all-reduce agreeing on skipping, the fused AdamW step and the LR schedule (both held on
+    the device when skipped), the loss-scale update, and one DP all-reduce of the loss for
+    reporting. Parameters stay fp32 and the forward runs under autocast.
+
+    Nothing in ``train_step`` reads the device on the host: the skip decision reaches the optimizer
+    as a tensor (fused AdamW's ``found_inf``), the number of applied steps (the LR schedule's
+    position) is a device counter from which each step's LR is computed on the device, and the
+    returned `StepResult` holds 0-dim tensors. ``scheduler`` (a ``LambdaLR``) is brought up to date
+    with the counter, and the param groups' LRs made plain floats again, when `checkpoint_state`
+    or ``lr`` is read (a host sync, once per save or log); a loaded scheduler state is taken over
+    at the next step.
     """
 
     kind = "ddp"
@@ -61,10 +72,12 @@ class DDPEngine(Engine):
             self.wrapped = model
         self.optimizer = torch.optim.AdamW(
             param_groups(model, optim_cfg.weight_decay), lr=float(optim_cfg.lr),
-            betas=tuple(float(b) for b in optim_cfg.betas), eps=float(optim_cfg.eps),
+            betas=tuple(float(b) for b in optim_cfg.betas), eps=float(optim_cfg.eps), fused=True,
         )
         self.scheduler = build_lr_schedule(self.optimizer, optim_cfg, settings.max_steps)
         self._params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self._applied = torch.zeros((), dtype=torch.int64, device=ctx.device)  # applied optimizer steps
+        self._host_epoch = self.scheduler.last_epoch  # the scheduler's value when it last matched
 
     def train_step(self, micro_batches) -> StepResult:
         micro_batches = self._check_micro_batches(micro_batches)
@@ -86,14 +99,50 @@ class DDPEngine(Engine):
                     scaled = self.scaler.scale(scaled)
                 scaled.backward()
 
-        loss_scale = self.precision.loss_scale
-        found_inf = self.scaler.unscale_(self._params) if self.scaler is not None else False
-        norm = clip_grad_norm_(self._params, self.grad_clip, tp_group=self.ctx.tp_group)
-        skip = any_rank(found_inf or not bool(torch.isfinite(norm)), mesh_group(self.ctx), self.ctx.device)
-        lr = self.lr
-        if not skip:
-            self.optimizer.step()
-            self.scheduler.step()
+        loss_scale = self.scaler.scale_tensor.clone() if self.scaler is not None else torch.ones((), device=loss_sum.device)
+        bad = torch.zeros((), dtype=torch.float32, device=loss_sum.device)
+        if self.scaler is not None:
+            bad = self.scaler.unscale_and_check_(self._params)
+        if self.grad_clip > 0:
+            norm = clip_grad_norm_(self._params, self.grad_clip, tp_group=self.ctx.tp_group)
+        else:
+            norm = grad_norm(self._params, tp_group=self.ctx.tp_group)
+        bad = torch.maximum(bad, (~torch.isfinite(norm)).float())
+        skip = comm.all_reduce_(bad, mesh_group(self.ctx), op=dist.ReduceOp.MAX)  # the one vote
+        lr = self._set_lrs()
+        self.optimizer.found_inf, self.optimizer.grad_scale = skip, None  # fused AdamW: no update if 1
+        self.optimizer.step()
+        self._applied += (skip == 0).long()
         if self.scaler is not None:
             self.scaler.update(skip)
-        return StepResult(self._dp_mean(loss_sum / n), float(norm), bool(skip), lr, loss_scale)
+        return StepResult(self._dp_mean_tensor(loss_sum / n), norm, skip > 0, lr, loss_scale)
+
+    def _set_lrs(self) -> torch.Tensor:
+        """Each group's LR for this step, computed on the device from the applied-step counter;
+        returns the first group's in float64 (the schedule's own precision, for reporting)."""
+        if self.scheduler.last_epoch != self._host_epoch:  # a checkpoint was loaded into it
+            self._applied.fill_(self.scheduler.last_epoch)
+            self._host_epoch = self.scheduler.last_epoch
+        factor = self.scheduler.lr_lambdas[0].on_device(self._applied)
+        lrs = [base * factor for base in self.scheduler.base_lrs]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr.float()  # fused AdamW's kernels read an fp32 LR tensor (as they round a float LR)
+        return lrs[0]
+
+    def _sync_schedule(self) -> None:
+        """Bring ``scheduler`` and the param groups' LRs (plain floats) up to the device counter."""
+        applied = int(self._applied.item())
+        self.scheduler.last_epoch = self._host_epoch = applied
+        lrs = [base * self.scheduler.lr_lambdas[0](applied) for base in self.scheduler.base_lrs]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self.scheduler._last_lr = lrs
+
+    def checkpoint_state(self) -> dict:
+        self._sync_schedule()
+        return super().checkpoint_state()
+
+    @property
+    def lr(self) -> float:
+        self._sync_schedule()
+        return super().lr

@@ -10,7 +10,7 @@ import math
 import torch
 
 from ...validation import ConfigError, check_choice
-from ..clip import clip_grad_norm_
+from ..clip import clip_grad_norm_, grad_norm
 from ..precision import any_rank
 from ..schedule import build_lr_schedule
 from . import ds_compat
@@ -138,7 +138,8 @@ class DSEngine(Engine):
             self.ds.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
             if i == n - 1 and self.own_clip:
                 # Boundary: DeepSpeed has all-reduced the gradients over DP in backward().
-                total = clip_grad_norm_(self._params, self.grad_clip * loss_scale, tp_group=self.ctx.tp_group)
+                total = (clip_grad_norm_(self._params, self.grad_clip * loss_scale, tp_group=self.ctx.tp_group)
+                         if self.grad_clip > 0 else grad_norm(self._params, tp_group=self.ctx.tp_group))
                 norm = float(total) / loss_scale
                 if isinstance(self.optimizer, ds_compat.SkippableAdamW):
                     self.optimizer.overflow = any_rank(not math.isfinite(norm), mesh_group(self.ctx), self.ctx.device)

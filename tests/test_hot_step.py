@@ -1,0 +1,112 @@
+"""The training step a GPU would run: no host sync with checks off (fp32, bf16, fp16 at tp=2 and
+dp=2), clipping's bad arguments, MFU arithmetic and TensorBoard event files that TensorBoard reads."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import bigdense as bd
+from bigdense.bench.counters import OpCounter
+from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
+from bigdense.models.gpt import GPT, GPTConfig
+from bigdense.testing import run_ranks
+from bigdense.train.engines import EngineSettings, build_engine
+from bigdense.train.flops import PEAK_BF16_TFLOPS, flops_per_token, mfu, peak_tflops
+
+VOCAB, SEQ, B = 61, 8, 4
+
+
+def _step_syncs(tp, dtype):
+    ctx = bd.init_parallel(tp=tp)
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2, max_seq_len=SEQ, dropout=0.1,
+                    attention_dropout=0.1, head_chunk_size=8)
+    model = GPT(cfg, tp_group=ctx.tp_group)
+    rows = B // ctx.dp_size
+    settings = EngineSettings(engine=EngineConfig(), optim=OptimConfig(warmup_steps=2, grad_clip=1.0),
+                              precision=PrecisionConfig(dtype=dtype), micro_batch_size=rows, max_steps=10)
+    engine = build_engine(model, ctx, settings)
+    idx = torch.randint(0, VOCAB, (B, SEQ), generator=torch.Generator().manual_seed(1))
+    mine = idx[ctx.dp_rank * rows : (ctx.dp_rank + 1) * rows]
+    batch = [(mine, mine.roll(-1, dims=1))]
+    out = {}
+    for checks in (True, False):
+        with bd.set_checks(checks), OpCounter() as counter:
+            result = engine.train_step(batch)
+        out[checks] = dict(counter.sync_ops)
+    assert math.isfinite(float(result.loss)) and not bool(result.skipped)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("tp", [2, 1])  # tp=1 on 2 processes: dp=2 through DDP
+def test_a_training_step_makes_no_host_sync_with_checks_off(tp, dtype):
+    for rank in run_ranks(_step_syncs, 2, tp, dtype):
+        assert rank[False] == {}, rank[False]  # forward, backward, unscale, clip, vote, AdamW, LR, scaler
+        assert rank[True], "the counter must see the host-side id/label checks"
+
+
+def _clip_errors(bad, match):
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match=match):
+        bd.clip_grad_norm_([p], *bad)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ((0.0,), "max_norm must be a finite number > 0, got 0.0"),
+    ((-1.0,), "max_norm must be a finite number > 0, got -1.0"),
+    ((math.nan,), "max_norm must be a finite number > 0, got nan"),
+    ((math.inf,), "max_norm must be a finite number > 0, got inf"),
+    ((1.0, "fro"), "norm_type must be a number > 0 or inf, got 'fro'"),
+    ((1.0, -2.0), "norm_type must be a number > 0 or inf, got -2.0"),
+])
+def test_clip_rejects_bad_max_norm_and_norm_type(bad, match):
+    _clip_errors(bad, match)
+
+
+def test_grad_norm_measures_without_clipping():
+    p = nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 3.0)
+    assert float(bd.grad_norm([p])) == 6.0 and torch.equal(p.grad, torch.full((4,), 3.0))
+    assert float(bd.grad_norm([p], math.inf)) == 3.0
+
+
+def test_mfu_is_six_n_plus_attention_over_the_peak():
+    # 6 N + 12 L d S: the standard count (PaLM appendix B), forward and backward.
+    assert flops_per_token(124_000_000, 12, 768, 1024) == 6 * 124e6 + 12 * 12 * 768 * 1024
+    assert mfu(1000.0, 1e9, 1.0) == pytest.approx(1.0)  # 1000 tok/s x 1 GFLOP = 1 TFLOP/s of a 1 TFLOP/s peak
+    assert mfu(1000.0, 1e9, None) is None
+    assert peak_tflops("cpu") is None and peak_tflops("cpu", 312.0) == 312.0
+    assert PEAK_BF16_TFLOPS["H100"] == 989.0 and PEAK_BF16_TFLOPS["A100"] == 312.0
+
+
+def test_tensorboard_event_files_hold_the_logged_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from bigdense.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, enabled=True, tensorboard=True)
+    for step, loss in ((10, 4.5), (20, 3.25)):
+        log.write({"kind": "train", "step": step, "loss": loss, "mfu": None, "skipped": False, "lr": 1e-3})
+    log.write({"kind": "eval", "step": 20, "eval_loss": 3.5})
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 4.5), (20, 3.25)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/eval_loss")] == [(20, 3.5)]
+    assert "train/mfu" not in events.Tags()["scalars"]  # None (no peak known) is not a number
+
+
+def test_bench_gpu_without_cuda_says_so_and_runs_a_one_step_smoke_test(tmp_path, capsys):
+    import json
+
+    from bigdense.bench import gpu
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs the real benchmark")
+    assert gpu.main(["--json", str(tmp_path / "gpu.jsonl")]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+    (record,) = [json.loads(line) for line in open(tmp_path / "gpu.jsonl")]
+    assert record["smoke"] and record["device"] == "cpu" and math.isfinite(record["loss"])
