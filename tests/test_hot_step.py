@@ -110,3 +110,21 @@ def test_bench_gpu_without_cuda_says_so_and_runs_a_one_step_smoke_test(tmp_path,
     assert "no CUDA device" in capsys.readouterr().out
     (record,) = [json.loads(line) for line in open(tmp_path / "gpu.jsonl")]
     assert record["smoke"] and record["device"] == "cpu" and math.isfinite(record["loss"])
+
+
+def _embedding_bad_id(tp):
+    bd.init_parallel(tp=tp)
+    torch.manual_seed(0)
+    emb = bd.VocabParallelEmbedding(10, 4)
+    ids = torch.tensor([[1, 12, 3]])
+    with pytest.raises(ValueError, match="id 12 is outside"):
+        emb(ids)
+    with bd.set_checks(False):
+        out = emb(ids)
+    return torch.isnan(out[0, 1]).all().item(), torch.isfinite(out[0, [0, 2]]).all().item()
+
+
+def test_an_out_of_range_id_with_checks_off_gives_a_nan_row_at_tp2():
+    # No rank owns the id, so no rank writes its row: marked NaN on the device instead of zeros.
+    for nan_row, others_finite in run_ranks(_embedding_bad_id, 2, 2):
+        assert nan_row and others_finite
