@@ -7,9 +7,10 @@ from .init import INITIALIZERS, Initializer
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .lowrank import low_rank, low_rank_like
 from .mlp import ParallelMLP
+from .norm import LayerNorm, RMSNorm
 
 __all__ = [
     "TensorParallelModule", "materialize", "Initializer", "INITIALIZERS", "ColumnParallelLinear", "RowParallelLinear",
     "ParallelMLP", "VocabParallelEmbedding", "ParallelClassifierHead", "tie_weights", "ShardedDropout", "low_rank",
-    "low_rank_like",
+    "low_rank_like", "LayerNorm", "RMSNorm",
 ]

@@ -13,10 +13,12 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from ..checks import checks_enabled
 from ..parallel import comm
 from ..parallel.context import resolve_tp_group
-from ..parallel.random import draw_seed
-from ..parallel.sharding import ShardSpec, mark_sharded
+from ..parallel.random import draw_seed, tp_dropout
+from ..parallel.regions import SEQ_DIM
+from ..parallel.sharding import ShardSpec, mark_sharded, shard_sizes
 
 
 class TensorParallelModule(nn.Module):
@@ -84,6 +86,44 @@ class TensorParallelModule(nn.Module):
                 f"{self._where()}: input dtype {x.dtype} does not match parameter dtype {param.dtype} "
                 f"(cast the input, or run under torch.autocast)"
             )
+
+    def _sequence_shares(self, x: torch.Tensor, seq_len: Optional[int]) -> tuple[int, ...]:
+        """Every rank's share of the sequence, for ``x`` (*, S_local, width) under sequence parallelism.
+
+        The shares must be the balanced split of ``seq_len`` (of their sum when ``seq_len`` is None).
+        The ranks' lengths are exchanged (one tiny all-gather, read on the host) when ``seq_len`` is
+        None, and when host-side checks are on (`bd.set_checks`), so that a wrong shard on any rank
+        raises the same error on every rank; otherwise only this rank's own length is checked.
+        """
+        if x.dim() < 2:
+            raise ValueError(
+                f"{self._where()}: sequence_parallel=True expects input (*, S_local, {x.shape[-1]}) "
+                f"with a sequence dimension, got {tuple(x.shape)}"
+            )
+        mine = int(x.shape[SEQ_DIM])
+        if seq_len is None or (checks_enabled() and self.tp_size > 1):
+            every = comm.all_gather_sizes(mine, self.tp_group, x.device)
+        else:
+            every = None
+        total = sum(every) if seq_len is None else int(seq_len)
+        expected = shard_sizes(total, self.tp_size)
+        if (every is not None and every != expected) or mine != expected[self.tp_rank]:
+            got = f"shares {every}" if every is not None else f"{mine} on this rank"
+            raise ValueError(
+                f"{self._where()}: sequence_parallel=True expects each rank's balanced share of the "
+                f"sequence S={total} along dim -2, {expected} in rank order (this rank: "
+                f"{(*x.shape[:-2], expected[self.tp_rank], x.shape[-1])}); got {got} "
+                f"(this rank's input {tuple(x.shape)})"
+            )
+        return tuple(expected)
+
+
+def sequence_dropout(x: torch.Tensor, p: float, training: bool, seq_shares, rank: int) -> torch.Tensor:
+    """`tp_dropout` of a replicated ``(*, S, d)`` activation (``seq_shares=None``), or of this rank's
+    share of its sequence: the same rows of the same global mask either way."""
+    if seq_shares is None:
+        return tp_dropout(x, p, training)
+    return tp_dropout(x, p, training, shard_dim=SEQ_DIM, global_size=sum(seq_shares), offset=sum(seq_shares[:rank]))
 
 
 def check_from_dense(cls, module: nn.Module, expected: type, kwargs: dict, from_module: tuple[str, ...]) -> None:

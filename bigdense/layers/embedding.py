@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..checks import checks_enabled
-from ..parallel.regions import reduce_from_tp
+from ..parallel.regions import reduce_from_tp, reduce_scatter_to_sequence
 from ..parallel.sharding import shard_range, shard_sizes
 from ..validation import check_positive_int
 from .base import TensorParallelModule, check_from_dense
@@ -24,6 +24,9 @@ class VocabParallelEmbedding(TensorParallelModule):
     every TP rank. Each rank looks up the ids it owns, writes zeros for the others, and the
     partial results are summed over TP.
     Collectives: forward all-reduce (sum) of the (*, embedding_dim) output; backward none.
+    ``sequence_parallel=True``: ids (*, S), output (*, S_local, embedding_dim), this rank's
+    balanced share of the sequence: forward reduce-scatter instead of the all-reduce, backward
+    all-gather of the output gradient.
 
     An id outside ``[0, num_embeddings)`` raises ValueError naming the layer and the id, on every
     rank (the ids are replicated, so each rank checks them itself: no collective, no hang); this
@@ -41,6 +44,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         embedding_dim: int,
         *,
         padding_idx: Optional[int] = None,
+        sequence_parallel: bool = False,
         init: InitSpec = "normal",
         tp_group=None,
         device=None,
@@ -58,6 +62,7 @@ class VocabParallelEmbedding(TensorParallelModule):
                 )
             padding_idx %= num_embeddings
         self.padding_idx = padding_idx
+        self.sequence_parallel = bool(sequence_parallel)
         self._setup_tp(tp_group)
         self.init = resolve_init(init, f"VocabParallelEmbedding({num_embeddings}, {embedding_dim})")
         self.partition_sizes = shard_sizes(num_embeddings, self.tp_size)
@@ -87,9 +92,10 @@ class VocabParallelEmbedding(TensorParallelModule):
 
     def extra_repr(self) -> str:
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        sp = ", sequence_parallel=True" if self.sequence_parallel else ""
         return (
             f"{self._describe_shape()}{pad}, rows on this rank={self.rows_local} (from {self.row_start}), "
-            f"tp={self.tp_size}, init={self.init.name}"
+            f"tp={self.tp_size}, init={self.init.name}{sp}"
         )
 
     def _check_ids(self, ids: torch.Tensor) -> None:
@@ -111,6 +117,8 @@ class VocabParallelEmbedding(TensorParallelModule):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self._check_ids(ids)
+        if self.sequence_parallel and ids.dim() < 1:
+            raise ValueError(f"{self._where()}: sequence_parallel=True expects ids (*, S), got a scalar")
         if self.tp_size == 1:
             return F.embedding(ids, self.weight, self.padding_idx)
         if self.rows_local == 0:
@@ -126,6 +134,8 @@ class VocabParallelEmbedding(TensorParallelModule):
         if not checks_enabled():  # an id owned by no rank (out of range) is marked on the device
             unowned = (ids < 0) | (ids >= self.num_embeddings)
             partial = partial.masked_fill(unowned.unsqueeze(-1), float("nan"))
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(partial, self.tp_group)
         return reduce_from_tp(partial, self.tp_group)
 
     @torch.no_grad()

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from ..checks import checks_enabled
 from ..parallel import comm
 from ..validation import check_positive_int, is_positive_int
+from ..parallel.regions import gather_from_sequence
 from .init import InitSpec, init_bias_
 from .linear import ColumnParallelLinear
 from .vocab_ce import CEConfig, FusedVocabParallelCE, auto_chunk_size
@@ -44,6 +45,11 @@ class ParallelClassifierHead(ColumnParallelLinear):
 
     ``forward(h)`` is ``logits(h)``: this rank's shard of the logits, (*, classes_local).
     Tie the weight to a `VocabParallelEmbedding` with `tie_weights`.
+
+    ``sequence_parallel=True``: ``h`` is (*, S_local, in_features), this rank's balanced share of
+    the sequence, and ``target`` (*, S) replicated. The hidden states are all-gathered along the
+    sequence (never the logits); the gradient of ``h`` is then reduce-scattered instead of
+    all-reduced.
     """
 
     def __init__(
@@ -54,6 +60,7 @@ class ParallelClassifierHead(ColumnParallelLinear):
         *,
         chunk_size: Optional[int] = None,
         grad_strategy: str = "forward",
+        sequence_parallel: bool = False,
         init: InitSpec = "torch",
         tp_group=None,
         device=None,
@@ -69,7 +76,7 @@ class ParallelClassifierHead(ColumnParallelLinear):
                 f"ParallelClassifierHead: grad_strategy must be one of {_STRATEGIES}, got {grad_strategy!r}"
             )
         super().__init__(
-            in_features, num_classes, bias, gather_output=False, init=init,
+            in_features, num_classes, bias, gather_output=False, sequence_parallel=sequence_parallel, init=init,
             tp_group=tp_group, device=device, dtype=dtype,
         )
         self._tied_embedding = None  # (embedding,) once `tie_weights` ran
@@ -114,9 +121,14 @@ class ParallelClassifierHead(ColumnParallelLinear):
         # From the largest shard, so every rank cuts the tokens at the same places (one collective per chunk).
         return self.chunk_size or auto_chunk_size(max(self.partition_sizes))
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
         """This rank's shard of the logits, (*, classes_local). Grad of ``h`` is summed over TP."""
-        return super().forward(h)
+        return super().forward(h, seq_len)
+
+    def _gather_sequence(self, h: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """Under sequence parallelism, the whole sequence of hidden states on every rank."""
+        self._check_input(h, self.in_features, "in_features, this rank's share of the sequence", self.weight)
+        return gather_from_sequence(h, self.tp_group, self._sequence_shares(h, seq_len))
 
     def forward(self, h: torch.Tensor, target: Optional[torch.Tensor] = None, **loss_options) -> torch.Tensor:
         """``logits(h)``; with ``target``, ``loss(h, target, **loss_options)`` (so hooks see the head)."""
@@ -149,6 +161,10 @@ class ParallelClassifierHead(ColumnParallelLinear):
         The number of counted tokens stays a tensor: the loss makes no host synchronisation with
         checks off.
         """
+        if self.sequence_parallel:
+            if not isinstance(target, torch.Tensor) or target.dim() == 0:
+                raise ValueError(f"{self._where()}: sequence_parallel=True expects target (*, S), got {target!r}")
+            h = self._gather_sequence(h, target.shape[-1])
         self._check_input(h, self.in_features, "in_features, replicated on every TP rank", self.weight)
         self._check_target(h, target, ignore_index)
         if reduction not in _REDUCTIONS:
@@ -168,6 +184,8 @@ class ParallelClassifierHead(ColumnParallelLinear):
             chunk_size=self._chunk(),
             strategy="recompute" if reduction == "none" else self.grad_strategy,
             compute_dtype=compute_dtype,
+            # Under sequence parallelism the gather's backward reduce-scatters the partial gradient.
+            sum_grad_h=not self.sequence_parallel,
             # Decided here: inside the autograd function grad mode is always off and
             # needs_input_grad says True even under no_grad, so evaluation would form gradients.
             grad_wanted=torch.is_grad_enabled() and any(
@@ -211,8 +229,11 @@ class ParallelClassifierHead(ColumnParallelLinear):
 
         Each rank takes its own top-k per chunk of tokens, every rank gathers the ``k * tp``
         candidates (never the logits) and keeps the best ``k``. Ties go to the lower class id,
-        deterministically (NaN logits rank as -inf).
+        deterministically (NaN logits rank as -inf). Under sequence parallelism ``h`` is this
+        rank's share of the sequence and the result covers the whole sequence.
         """
+        if self.sequence_parallel:
+            h = self._gather_sequence(h, None)
         self._check_input(h, self.in_features, "in_features, replicated on every TP rank", self.weight)
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.num_classes:
             raise ValueError(f"{self._where()}: k must be an integer in [1, {self.num_classes}], got {k!r}")

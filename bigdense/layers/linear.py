@@ -6,6 +6,11 @@ Row:    ``W`` split by input columns. Each rank multiplies its slice of the inpu
 
 A Column→(element-wise op)→Row pair needs one all-reduce forward and one backward, and both
 sides split the hidden size with the same balanced rule, so they agree on every rank's slice.
+
+With ``sequence_parallel=True`` the activations outside the pair are split along the sequence
+(dim -2, each rank its balanced share): Column all-gathers its input forward and reduce-scatters
+its input gradient backward; Row reduce-scatters its output forward and all-gathers its gradient
+backward. Same bytes as the all-reduces, but everything outside the pair is 1/tp per rank.
 """
 from __future__ import annotations
 
@@ -15,7 +20,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..parallel.regions import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from ..parallel.regions import (
+    ColumnComm, column_parallel_linear, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence,
+    scatter_to_tp,
+)
 from ..parallel.sharding import shard_range, shard_sizes
 from ..validation import check_positive_int
 from .base import TensorParallelModule, check_from_dense
@@ -27,8 +35,9 @@ class _ParallelLinear(TensorParallelModule):
 
     _split_dim: int
 
-    def __init__(self, in_features, out_features, bias, init, tp_group, device, dtype):
+    def __init__(self, in_features, out_features, bias, init, tp_group, device, dtype, sequence_parallel=False):
         super().__init__()
+        self.sequence_parallel = bool(sequence_parallel)
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             check_positive_int(f"{type(self).__name__}: {name}", value)
         self.in_features, self.out_features = in_features, out_features
@@ -69,9 +78,10 @@ class _ParallelLinear(TensorParallelModule):
 
     def extra_repr(self) -> str:
         which = "out_features" if self._split_dim == 0 else "in_features"
+        sp = ", sequence_parallel=True" if self.sequence_parallel else ""
         return (
             f"{self._describe_shape()}, bias={self.bias is not None}, "
-            f"{which} on this rank={self.partition_size}, tp={self.tp_size}, init={self.init.name}"
+            f"{which} on this rank={self.partition_size}, tp={self.tp_size}, init={self.init.name}{sp}"
         )
 
     @torch.no_grad()
@@ -125,6 +135,14 @@ class ColumnParallelLinear(_ParallelLinear):
     Input ``(*, in_features)``, the same on every TP rank. Output ``(*, out_local)``, or
     ``(*, out_features)`` on every rank with ``gather_output=True``.
     Collectives: backward all-reduce of the input grad; all-gather of the output if gathered.
+
+    ``sequence_parallel=True``: input ``(*, S_local, in_features)``, this rank's balanced share of
+    the sequence; output ``(*, S, out_local)``. Forward all-gather of the input along the sequence;
+    backward reduce-scatter of the input grad and an all-gather re-gathering the input (which is
+    not saved). ``forward(x, seq_len=S)`` states the full length; without it the ranks exchange
+    their lengths (see ``_sequence_shares``).
+    ``overlap_comm`` (default on): the backward's collectives run while the weight-gradient GEMM
+    does; off, each is waited for at once. Gradients are bit-identical either way.
     """
 
     _split_dim = 0
@@ -136,21 +154,29 @@ class ColumnParallelLinear(_ParallelLinear):
         bias: bool = True,
         *,
         gather_output: bool = False,
+        sequence_parallel: bool = False,
+        overlap_comm: bool = True,
         init: InitSpec = "torch",
         tp_group=None,
         device=None,
         dtype=None,
     ):
-        super().__init__(in_features, out_features, bias, init, tp_group, device, dtype)
+        super().__init__(in_features, out_features, bias, init, tp_group, device, dtype, sequence_parallel)
         self.gather_output = gather_output
+        self.overlap_comm = bool(overlap_comm)
 
     @property
     def out_features_per_partition(self) -> int:
         return self.partition_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x, self.in_features, "in_features, replicated on every TP rank", self.weight)
-        y = F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)
+    def _comm(self, x: torch.Tensor, seq_len: Optional[int]) -> ColumnComm:
+        shares = self._sequence_shares(x, seq_len) if self.sequence_parallel else None
+        return ColumnComm(self.tp_group, shares, self.overlap_comm)
+
+    def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
+        what = "this rank's share of the sequence" if self.sequence_parallel else "replicated on every TP rank"
+        self._check_input(x, self.in_features, f"in_features, {what}", self.weight)
+        (y,) = column_parallel_linear(x, [(self.weight, self.bias)], self._comm(x, seq_len))
         if self.gather_output:
             y = gather_from_tp(y, self.tp_group, self.partition_sizes)
         return y
@@ -165,6 +191,11 @@ class RowParallelLinear(_ParallelLinear):
     which is then split here. Output ``(*, out_features)``, the same on every TP rank.
     Collectives: forward all-reduce of the partial products (all-gather of the input grad when the
     input was split here).
+
+    ``sequence_parallel=True``: input ``(*, S, in_local)``, output ``(*, S_local, out_features)``,
+    this rank's balanced share of the sequence: forward reduce-scatter along the sequence instead
+    of the all-reduce, backward all-gather. The bias, replicated, is added to the share and its
+    gradient summed over TP in backward, so every rank holds the full gradient.
     """
 
     _split_dim = 1
@@ -176,12 +207,13 @@ class RowParallelLinear(_ParallelLinear):
         bias: bool = True,
         *,
         input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
         init: InitSpec = "torch",
         tp_group=None,
         device=None,
         dtype=None,
     ):
-        super().__init__(in_features, out_features, bias, init, tp_group, device, dtype)
+        super().__init__(in_features, out_features, bias, init, tp_group, device, dtype, sequence_parallel)
         self.input_is_parallel = input_is_parallel
 
     @property
@@ -195,7 +227,13 @@ class RowParallelLinear(_ParallelLinear):
         else:
             self._check_input(x, self.in_features, "in_features, input_is_parallel=False", self.weight)
             x = scatter_to_tp(x, self.tp_group, self.partition_sizes)
-        y = reduce_from_tp(F.linear(x, self.weight), self.tp_group)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
+        if self.sequence_parallel and x.dim() < 2:
+            raise ValueError(f"{self._where()}: sequence_parallel=True expects input (*, S, in), got {tuple(x.shape)}")
+        y = F.linear(x, self.weight)
+        if not self.sequence_parallel:
+            y, bias = reduce_from_tp(y, self.tp_group), self.bias
+        else:
+            # Each rank adds the bias to its share only: its gradient is summed over TP in backward.
+            y = reduce_scatter_to_sequence(y, self.tp_group)
+            bias = None if self.bias is None else copy_to_tp(self.bias, self.tp_group)
+        return y if bias is None else y + bias.to(y.dtype)

@@ -44,6 +44,10 @@ def _check_request(layer: nn.Module, rank, energy) -> None:
             layer, ParallelClassifierHead):
         raise TypeError(f"low_rank: expected an nn.Linear, ColumnParallelLinear or RowParallelLinear, "
                         f"got {type(layer).__name__}")
+    if getattr(layer, "sequence_parallel", False):
+        # The replicated half of a pair would see only this rank's share of the sequence.
+        raise ValueError(f"low_rank({_describe(layer)}): sequence_parallel=True layers cannot be compressed; "
+                         f"build the model with sequence_parallel=False (checkpoints are the same)")
     if (rank is None) == (energy is None):
         raise ValueError(f"low_rank({_describe(layer)}): give exactly one of rank= and energy=, "
                          f"got rank={rank!r}, energy={energy!r}")

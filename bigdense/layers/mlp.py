@@ -1,13 +1,14 @@
 """The transformer MLP block, tensor-parallel: column-parallel up, activation, row-parallel down."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..parallel.random import tp_dropout
-from ..parallel.regions import copy_to_tp
-from .base import TensorParallelModule
+from ..parallel.regions import ColumnComm, column_parallel_linear
+from .base import TensorParallelModule, sequence_dropout
 from .init import InitSpec
 from .linear import ColumnParallelLinear, RowParallelLinear
 
@@ -26,13 +27,20 @@ class ParallelMLP(TensorParallelModule):
 
     Collectives: exactly one all-reduce in forward (``down``'s) and one in backward (the input's
     gradient; ``x`` enters the TP region once even though SwiGLU uses it twice). For that reason
-    the column projections are applied here with ``F.linear`` on their parameters, so forward
-    hooks on ``up``/``gate`` do not fire (hooks on the MLP and on ``down`` do). A projection replaced
-    by another module mapping (*, d_model) to this rank's hidden slice -- a `bd.low_rank` pair, which
-    enters the TP region itself with fewer features -- is called as a module.
+    the column projections are applied here on their parameters (`column_parallel_linear`), so
+    forward hooks on ``up``/``gate`` do not fire (hooks on the MLP and on ``down`` do). A projection
+    replaced by another module mapping (*, d_model) to this rank's hidden slice -- a `bd.low_rank`
+    pair, which enters the TP region itself with fewer features -- is called as a module.
 
-    ``dropout`` is applied to the output (a replicated region) with `tp_dropout`: the same mask on
-    every TP rank and at every TP size, redrawn identically under activation checkpointing.
+    ``sequence_parallel=True``: input and output (*, S_local, d_model), this rank's balanced share
+    of the sequence (``forward(x, seq_len=S)`` states S; see `ColumnParallelLinear`). Forward: one
+    all-gather of the input and one reduce-scatter of the output; backward: the mirror image plus
+    one all-gather re-gathering the input for the weight gradients. ``overlap_comm`` as in
+    `ColumnParallelLinear`.
+
+    ``dropout`` is applied to the output with `tp_dropout`: the same mask on every TP rank and at
+    every TP size (a sequence share applies its rows of it), redrawn identically under activation
+    checkpointing.
     ``init`` is the weights' initializer for all projections (biases follow nn.Linear's law for
     ``"torch"``, zeros otherwise).
     """
@@ -45,6 +53,8 @@ class ParallelMLP(TensorParallelModule):
         *,
         dropout: float = 0.0,
         bias: bool = True,
+        sequence_parallel: bool = False,
+        overlap_comm: bool = True,
         init: InitSpec = "torch",
         tp_group=None,
         device=None,
@@ -57,38 +67,40 @@ class ParallelMLP(TensorParallelModule):
             raise ValueError(f"ParallelMLP: dropout must be in [0, 1), got {dropout}")
         self.d_model, self.d_hidden, self.activation, self.dropout = d_model, d_hidden, activation, float(dropout)
         self._setup_tp(tp_group)
-        kw = dict(bias=bias, init=init, tp_group=self.tp_group, device=device, dtype=dtype)
+        self.sequence_parallel, self.overlap_comm = bool(sequence_parallel), bool(overlap_comm)
+        kw = dict(
+            bias=bias, sequence_parallel=self.sequence_parallel, init=init, tp_group=self.tp_group,
+            device=device, dtype=dtype,
+        )
         if activation == "swiglu":
-            self.gate = ColumnParallelLinear(d_model, d_hidden, **kw)
+            self.gate = ColumnParallelLinear(d_model, d_hidden, overlap_comm=self.overlap_comm, **kw)
         else:
             self.register_module("gate", None)
-        self.up = ColumnParallelLinear(d_model, d_hidden, **kw)
+        self.up = ColumnParallelLinear(d_model, d_hidden, overlap_comm=self.overlap_comm, **kw)
         self.down = RowParallelLinear(d_hidden, d_model, **kw)
 
     def _describe_shape(self) -> str:
         return f"d_model={self.d_model}, d_hidden={self.d_hidden}, activation={self.activation!r}"
 
     def extra_repr(self) -> str:
-        return f"{self._describe_shape()}, dropout={self.dropout}, tp={self.tp_size}"
+        sp = ", sequence_parallel=True" if self.sequence_parallel else ""
+        return f"{self._describe_shape()}, dropout={self.dropout}, tp={self.tp_size}{sp}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x, self.d_model, "d_model, replicated on every TP rank", next(self.parameters()))
-        plain = any(type(layer) is ColumnParallelLinear for layer in (self.up, self.gate))
-        x_tp = copy_to_tp(x, self.tp_group) if plain else None
-        hidden = self._project(self.up, x, x_tp)
-        if self.gate is not None:
-            hidden = F.silu(self._project(self.gate, x, x_tp)) * hidden
-        else:
-            hidden = _ELEMENTWISE[self.activation](hidden)
-        return tp_dropout(self.down(hidden), self.dropout, self.training)
+    def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
+        what = "this rank's share of the sequence" if self.sequence_parallel else "replicated on every TP rank"
+        self._check_input(x, self.d_model, f"d_model, {what}", next(self.parameters()))
+        shares = self._sequence_shares(x, seq_len) if self.sequence_parallel else None
+        layers = [self.up] if self.gate is None else [self.up, self.gate]
+        plain = [layer for layer in layers if type(layer) is ColumnParallelLinear]
+        comm_cfg = ColumnComm(self.tp_group, shares, self.overlap_comm)
+        entered = column_parallel_linear(x, [(p.weight, p.bias) for p in plain], comm_cfg) if plain else ()
+        outputs = dict(zip(map(id, plain), entered))
+        # A replacement (a `bd.low_rank` pair, which enters the region itself, with fewer features)
+        # is called as a module.
+        hidden, *gate = [outputs[id(layer)] if id(layer) in outputs else layer(x) for layer in layers]
+        hidden = F.silu(gate[0]) * hidden if gate else _ELEMENTWISE[self.activation](hidden)
+        return sequence_dropout(self.down(hidden), self.dropout, self.training, shares, self.tp_rank)
 
-    @staticmethod
-    def _project(layer: nn.Module, x: torch.Tensor, x_tp) -> torch.Tensor:
-        # A column projection reads the TP region's one entry point; a replacement (a `bd.low_rank`
-        # pair, which enters the region itself, with fewer features) is called as a module.
-        if type(layer) is ColumnParallelLinear:
-            return F.linear(x_tp, layer.weight, layer.bias)
-        return layer(x)
 
     @torch.no_grad()
     def to_dense(self) -> "DenseMLP":

@@ -69,6 +69,7 @@ class CEConfig:
     strategy: str  # "forward" | "recompute"
     compute_dtype: torch.dtype  # the matmul dtype: autocast's, else the input's
     grad_wanted: bool = True  # False under no_grad / for frozen inputs: no gradient work at all
+    sum_grad_h: bool = True  # False: hand back this rank's partial grad_h (the caller reduces it)
 
 
 def _chunk_stats(zt: torch.Tensor, t_local: torch.Tensor, in_shard: torch.Tensor, smoothing: bool):
@@ -120,6 +121,7 @@ class FusedVocabParallelCE(torch.autograd.Function):
     forward collectives: one all-gather of (4, chunk) fp32 statistics per chunk; with the
     ``"forward"`` strategy and ``h`` requiring grad, one all-reduce (sum) of ``grad_h`` (N, D).
     backward collectives: ``"forward"``: none; ``"recompute"``: one all-reduce of ``grad_h``.
+    With ``cfg.sum_grad_h`` off, ``grad_h`` is this rank's partial sum and no all-reduce runs.
     Returns the loss (fp32): a scalar, or (N,) for ``reduction="none"``.
     """
 
@@ -183,7 +185,7 @@ def _forward(ctx, h, weight, bias, target, cfg: CEConfig):
         del zt  # one chunk's logits live at a time (in `buffer`, or freed before the next is made)
 
     if grads_now:
-        if grad_h is not None and n_tokens:
+        if grad_h is not None and n_tokens and cfg.sum_grad_h:
             comm.all_reduce_(grad_h, cfg.group)
         ctx.grads = (grad_h, grad_w, grad_b)
     else:
@@ -234,7 +236,7 @@ def _recompute_backward(ctx, grad_out):
         _chunk_grads(p, 1.0, ctx.t_local[lo:hi], ctx.in_shard[lo:hi], token_weight[lo:hi],
                      hc, wc, lo, hi, (grad_h, grad_w, grad_b), cfg)
         del p  # before the next chunk's logits exist
-    if grad_h is not None and n_tokens:
+    if grad_h is not None and n_tokens and cfg.sum_grad_h:
         comm.all_reduce_(grad_h, cfg.group)
     h_dt, w_dt, b_dt = ctx.dtypes
     return (

@@ -10,6 +10,13 @@ Per TP rank (B batch, S sequence, d = d_model, H heads, tp the TP size):
 
 One forward has 2 all-reduces per block (attention output, MLP output) plus the embedding's and
 the loss statistics'; the backward mirrors them.
+
+With ``sequence_parallel=True`` the activations between blocks, the LayerNorms, residuals and
+dropouts hold this rank's balanced share of the sequence, (B, S_local, d): each block then does 2
+all-gathers (entering attention and the MLP) and 2 reduce-scatters (leaving them) forward, the
+mirror image backward plus 2 all-gathers re-gathering the column inputs, and saves 1/tp of the
+activations. The replicated parameters (LayerNorms, row biases, position embedding) have their
+gradients summed over TP in backward. Parameters, state dicts and checkpoints do not change.
 """
 from __future__ import annotations
 
@@ -23,15 +30,19 @@ import torch.nn.functional as F
 
 from ..layers import (
     ColumnParallelLinear,
+    LayerNorm,
     ParallelClassifierHead,
     ParallelMLP,
     RowParallelLinear,
     VocabParallelEmbedding,
     tie_weights,
 )
+from ..layers.base import sequence_dropout
 from ..parallel.context import resolve_tp_group
 from ..parallel.comm import group_rank, group_size
 from ..parallel.random import tp_dropout
+from ..parallel.regions import copy_to_tp
+from ..parallel.sharding import shard_sizes
 
 ATTENTION_DROPOUT_MODES = ("invariant", "fused")
 
@@ -52,6 +63,8 @@ class GPTConfig:
     tie_embeddings: bool = True
     head_chunk_size: Optional[int] = None  # None: the head picks a chunk from a memory budget
     init: str = "trunc_normal"
+    sequence_parallel: bool = False  # activations between TP regions split along the sequence
+    overlap_comm: bool = True  # column layers' backward collectives overlap their weight-gradient GEMMs
     # {module path: rank}: these dense layers are built as `bd.low_rank` pairs of that rank (the
     # structure of a checkpoint written by `python -m bigdense.compress`).
     low_rank: dict = field(default_factory=dict)
@@ -83,12 +96,14 @@ class ParallelSelfAttention(nn.Module):
     * ``"fused"``: SDPA's own dropout, fused into its kernel. Fast, but its masks come from the
       device generator and depend on the layout (TP size, DP size), as in every other framework.
 
-    ``dropout`` acts on the attention output (a replicated region), with ``tp_dropout``.
+    ``dropout`` acts on the attention output (a replicated region, or this rank's share of the
+    sequence), with ``tp_dropout``. With ``sequence_parallel`` the input and output are this rank's
+    share of the sequence (``forward(x, seq_len=S)``); the heads see all of it.
     """
 
     def __init__(
         self, d_model, n_heads, *, dropout=0.0, attention_dropout=0.0, attention_dropout_mode="invariant",
-        bias=True, init="trunc_normal", tp_group=None,
+        bias=True, init="trunc_normal", tp_group=None, sequence_parallel=False, overlap_comm=True,
     ):
         super().__init__()
         if attention_dropout_mode not in ATTENTION_DROPOUT_MODES:
@@ -109,13 +124,17 @@ class ParallelSelfAttention(nn.Module):
             )
         self.n_heads, self.head_dim, self.dropout = n_heads, d_model // n_heads, dropout
         self.heads_local = n_heads // tp
-        self.head_start = group_rank(tp_group) * self.heads_local
-        self.qkv = ColumnParallelLinear(d_model, 3 * d_model, bias=bias, init=init, tp_group=tp_group)
-        self.out = RowParallelLinear(d_model, d_model, bias=bias, init=init, tp_group=tp_group)
+        self.tp_size, self.tp_rank = tp, group_rank(tp_group)
+        self.head_start = self.tp_rank * self.heads_local
+        self.sequence_parallel = sequence_parallel
+        kw = dict(bias=bias, init=init, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        self.qkv = ColumnParallelLinear(d_model, 3 * d_model, overlap_comm=overlap_comm, **kw)
+        self.out = RowParallelLinear(d_model, d_model, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.qkv(x).view(b, s, self.heads_local, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+    def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
+        qkv = self.qkv(x, seq_len)
+        b, s, _ = qkv.shape
+        q, k, v = qkv.view(b, s, self.heads_local, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         p = self.attention_dropout if self.training else 0.0
         if p > 0 and self.attention_dropout_mode == "invariant":
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
@@ -126,28 +145,35 @@ class ParallelSelfAttention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = self.out(y.transpose(1, 2).reshape(b, s, self.heads_local * self.head_dim))
-        return tp_dropout(y, self.dropout, self.training)
+        shares = shard_sizes(s, self.tp_size) if self.sequence_parallel else None
+        return sequence_dropout(y, self.dropout, self.training, shares, self.tp_rank)
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``."""
+    """Pre-norm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``.
+
+    ``forward(x, seq_len=None)``: ``x`` (B, S, d), or (B, S_local, d) under sequence parallelism,
+    where ``seq_len=S`` spares the layers an exchange of the ranks' lengths.
+    """
 
     def __init__(self, cfg: GPTConfig, tp_group=None):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
+        sp = dict(sequence_parallel=cfg.sequence_parallel, tp_group=tp_group)
+        self.ln1 = LayerNorm(cfg.d_model, **sp)
         self.attn = ParallelSelfAttention(
             cfg.d_model, cfg.n_heads, dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
-            attention_dropout_mode=cfg.attention_dropout_mode, bias=cfg.bias, init=cfg.init, tp_group=tp_group,
+            attention_dropout_mode=cfg.attention_dropout_mode, bias=cfg.bias, init=cfg.init,
+            overlap_comm=cfg.overlap_comm, **sp,
         )
-        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.ln2 = LayerNorm(cfg.d_model, **sp)
         self.mlp = ParallelMLP(
             cfg.d_model, cfg.d_hidden or 4 * cfg.d_model, cfg.activation,
-            dropout=cfg.dropout, bias=cfg.bias, init=cfg.init, tp_group=tp_group,
+            dropout=cfg.dropout, bias=cfg.bias, init=cfg.init, overlap_comm=cfg.overlap_comm, **sp,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+    def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), seq_len)
+        return x + self.mlp(self.ln2(x), seq_len)
 
 
 class GPT(nn.Module):
@@ -160,14 +186,15 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, tp_group=None):
         super().__init__()
         self.cfg = cfg
-        tp_group = resolve_tp_group(tp_group)
-        self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, init=cfg.init, tp_group=tp_group)
+        self.tp_group = tp_group = resolve_tp_group(tp_group)
+        sp = dict(sequence_parallel=cfg.sequence_parallel, tp_group=tp_group)
+        self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, init=cfg.init, **sp)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         nn.init.normal_(self.pos_emb.weight, std=0.02)
         self.blocks = nn.ModuleList(Block(cfg, tp_group) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = LayerNorm(cfg.d_model, **sp)
         self.head = ParallelClassifierHead(
-            cfg.d_model, cfg.vocab_size, bias=False, chunk_size=cfg.head_chunk_size, init=cfg.init, tp_group=tp_group
+            cfg.d_model, cfg.vocab_size, bias=False, chunk_size=cfg.head_chunk_size, init=cfg.init, **sp
         )
         if cfg.tie_embeddings:
             tie_weights(self.tok_emb, self.head)
@@ -185,14 +212,23 @@ class GPT(nn.Module):
         setattr(self.get_submodule(parent), child, low_rank_like(layer, rank))
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        """The final normalised hidden states, (B, S, d_model), replicated over TP."""
+        """The final normalised hidden states, (B, S, d_model), replicated over TP; under sequence
+        parallelism this rank's share of the sequence, (B, S_local, d_model)."""
         s = idx.shape[1]
         if s > self.cfg.max_seq_len:
             raise ValueError(f"GPT: sequence length {s} exceeds max_seq_len={self.cfg.max_seq_len}")
-        pos = torch.arange(s, device=idx.device)
-        x = tp_dropout(self.tok_emb(idx) + self.pos_emb(pos), self.cfg.dropout, self.training)
+        shares, rank = None, group_rank(self.tp_group)
+        if self.cfg.sequence_parallel:
+            shares = shard_sizes(s, group_size(self.tp_group))
+            start = sum(shares[:rank])
+            # Each rank embeds its own positions: the table's gradient is summed over TP.
+            pos = torch.arange(start, start + shares[rank], device=idx.device)
+            position = F.embedding(pos, copy_to_tp(self.pos_emb.weight, self.tp_group))
+        else:
+            position = self.pos_emb(torch.arange(s, device=idx.device))
+        x = sequence_dropout(self.tok_emb(idx) + position, self.cfg.dropout, self.training, shares, rank)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, s)
         return self.ln_f(x)
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -139,11 +139,17 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 def _index_words(start: int, count: int, odd: int, device) -> torch.Tensor:
     """The global indices ``start .. start + count - 1`` spread over 32-bit words (int32, (count,)):
     times an odd constant, a bijection modulo 2^32."""
-    if start + count <= 2**31:
-        return torch.arange(start, start + count, dtype=torch.int32, device=device) * odd
+    wide = start + count > 2**31
+    return _words(torch.arange(start, start + count, dtype=torch.int64 if wide else torch.int32, device=device),
+                  odd, wide)
+
+
+def _words(index: torch.Tensor, odd: int, wide: bool) -> torch.Tensor:
+    """`_index_words` of any tensor of indices; ``wide``: the range they come from passes int32."""
+    if not wide:
+        return index.to(torch.int32) * odd
     # Indices past int32: the high word, mixed, is folded into the low one.
-    wide = torch.arange(start, start + count, dtype=torch.int64, device=device)
-    return ((wide & 0xFFFFFFFF).to(torch.int32) * odd) ^ _fmix32((wide >> 32).to(torch.int32) ^ _GOLDEN)
+    return ((index & 0xFFFFFFFF).to(torch.int32) * odd) ^ _fmix32((index >> 32).to(torch.int32) ^ _GOLDEN)
 
 
 def keep_mask(key: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int], p: float, device) -> torch.Tensor:
@@ -155,8 +161,13 @@ def keep_mask(key: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int], p
     Word ``(i, j)`` is ``fmix32((i * A ^ key0) ^ (j * B + key1))``: the row and column words are
     cheap vectors and the one full-size mix does the avalanche. About 20 ops whatever the size,
     14 of them full-size (one fused kernel under torch.compile)."""
+    return _keep(key, _index_words(rows[0], rows[1], _M1, device), cols, p, device)
+
+
+def _keep(key: torch.Tensor, row_words: torch.Tensor, cols: tuple[int, int], p: float, device) -> torch.Tensor:
+    """`keep_mask` of the rows whose index words are ``row_words``."""
     key = key.to(device, non_blocking=True)
-    row_word = _index_words(rows[0], rows[1], _M1, device) ^ key[0]
+    row_word = row_words ^ key[0]
     col_word = _index_words(cols[0], cols[1], _GOLDEN, device) + key[1]
     word = _fmix32(row_word.unsqueeze(1) ^ col_word.unsqueeze(0))  # uniform over the 2^32 words
     # Kept when the word, read as unsigned, is below (1 - p) * 2^32; shifted into signed order.
@@ -184,7 +195,9 @@ def tp_dropout(
       same mask.
     * sharded region: ``x`` is this rank's slice ``[offset : offset + x.shape[shard_dim]]`` of a
       dimension of length ``global_size``; the rank applies exactly that slice of the mask the
-      unsharded model would draw.
+      unsharded model would draw. A shard of the second-to-last dimension (sequence parallelism's
+      split of ``(*, seq, hidden)``) applies exactly its rows of the replicated region's mask, so
+      a model draws the same masks with and without sequence parallelism.
 
     Inside `batch_slice`, dim 0 is further read as a slice of the global batch. A fixed number of
     tensor ops whatever the size of ``x``; under ``torch.compile`` it traces without a break.
@@ -210,14 +223,32 @@ def tp_dropout(
                 f"tp_dropout: the shard [{offset}, {offset + shape[shard_dim]}) of dim {shard_dim} does not fit "
                 f"in global_size={global_size}"
             )
+        if shard_dim == 0 and _batch_slice is not None:
+            raise ValueError("tp_dropout: dim 0 is the data-parallel batch inside batch_slice; it cannot be TP-sharded")
+        if shard_dim == x.dim() - 2:
+            keep = _sequence_share_keep(key, shape, global_size, offset, p, x.device)
+            return x * keep.view_as(x) * (1.0 / (1.0 - p))
         # Global tensor viewed as (outer, global_size * inner): a shard is then the same
         # contiguous column range in every row.
         inner = math.prod(shape[shard_dim + 1 :])
         rows, col_offset = math.prod(shape[:shard_dim]), offset * inner
     row_offset = 0
     if _batch_slice is not None:
-        if shard_dim == 0:
-            raise ValueError("tp_dropout: dim 0 is the data-parallel batch inside batch_slice; it cannot be TP-sharded")
         row_offset = _batch_slice[0] * (rows // shape[0])
     keep = keep_mask(key, (row_offset, rows), (col_offset, x.numel() // rows), p, x.device)
     return x * keep.view_as(x) * (1.0 / (1.0 - p))
+
+
+def _sequence_share_keep(key, shape, global_size: int, offset: int, p: float, device) -> torch.Tensor:
+    """The keep-mask of a share ``[offset, offset + S_local)`` of dim -2 of ``(*, S, d)``: exactly
+    those rows of the replicated region's mask (whose rows are the flattened leading dims), built
+    from one tensor of row indices, so the op count does not grow with the leading dims."""
+    slabs = math.prod(shape[:-2])
+    row0 = _batch_slice[0] * (slabs // shape[0]) * global_size if _batch_slice is not None else 0
+    index = (
+        torch.arange(slabs, dtype=torch.int64, device=device).unsqueeze(1) * global_size
+        + torch.arange(offset, offset + shape[-2], dtype=torch.int64, device=device)
+        + row0
+    ).reshape(-1)
+    wide = row0 + slabs * global_size > 2**31  # the word rule the replicated region's rows use
+    return _keep(key, _words(index, _M1, wide), (0, shape[-1]), p, device)

@@ -6,14 +6,25 @@ has one rank (``group=None`` included), so the same model runs without a process
 
 Two pairs are conjugate: copy/reduce (enter and leave a region where each rank holds a partial
 sum) and scatter/gather (enter and leave a region where each rank holds a slice of the last dim).
+
+Sequence parallelism adds the pairs along the sequence dimension (``SEQ_DIM``, the second-to-last
+of ``(*, seq, hidden)``), where each rank holds its balanced share of the sequence between TP
+regions: gather-from-sequence (all-gather forward, reduce-scatter backward) enters a region,
+reduce-scatter-to-sequence (reduce-scatter forward, all-gather backward) leaves it. The column
+projection fuses its entry with its matmul (`column_parallel_linear`) so that the gathered input
+is never saved and its backward collectives overlap the weight-gradient GEMM.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from . import comm
+
+SEQ_DIM = -2  # activations are (*, seq, hidden); sequence parallelism splits seq
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -95,3 +106,166 @@ def scatter_to_tp(
 ) -> torch.Tensor:
     """Keep this rank's slice of the last dim (balanced split unless ``sizes`` is given)."""
     return x if _single(group) else _ScatterToTP.apply(x, group, None if sizes is None else tuple(sizes))
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """forward: all-gather along the sequence dim (uneven shards allowed); backward: reduce-scatter (sum) along it."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return comm.all_gather_dim(x, SEQ_DIM, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.reduce_scatter_dim(grad.contiguous(), SEQ_DIM, ctx.group, ctx.sizes), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """forward: reduce-scatter (sum) along the sequence dim, keep own share; backward: all-gather along it."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return comm.reduce_scatter_dim(x.contiguous(), SEQ_DIM, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather_dim(grad.contiguous(), SEQ_DIM, ctx.group, ctx.sizes), None, None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """forward: split along the sequence dim, keep own share; backward: all-gather along it."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return comm.split_dim(x, SEQ_DIM, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_gather_dim(grad.contiguous(), SEQ_DIM, ctx.group, ctx.sizes), None, None
+
+
+def _sizes(sizes):
+    return None if sizes is None else tuple(int(s) for s in sizes)
+
+
+def gather_from_sequence(
+    x: torch.Tensor, group: Optional[comm.ProcessGroup], sizes: Optional[Sequence[int]] = None
+) -> torch.Tensor:
+    """``(*, S_local, d)`` -> ``(*, S, d)``: every rank's share of the sequence, in rank order.
+    ``sizes``: every rank's ``S_local`` (exchanged when omitted)."""
+    return x if _single(group) else _GatherFromSequence.apply(x, group, _sizes(sizes))
+
+
+def reduce_scatter_to_sequence(
+    x: torch.Tensor, group: Optional[comm.ProcessGroup], sizes: Optional[Sequence[int]] = None
+) -> torch.Tensor:
+    """``(*, S, d)`` partial sums -> ``(*, S_local, d)``: this rank's share of the summed sequence
+    (balanced split unless ``sizes`` is given)."""
+    return x if _single(group) else _ReduceScatterToSequence.apply(x, group, _sizes(sizes))
+
+
+def scatter_to_sequence(
+    x: torch.Tensor, group: Optional[comm.ProcessGroup], sizes: Optional[Sequence[int]] = None
+) -> torch.Tensor:
+    """``(*, S, d)`` replicated -> ``(*, S_local, d)``: this rank's share of the sequence."""
+    return x if _single(group) else _ScatterToSequence.apply(x, group, _sizes(sizes))
+
+
+@dataclass(frozen=True)
+class ColumnComm:
+    """How `column_parallel_linear` communicates. ``seq_sizes``: every rank's sequence share, in
+    rank order (sequence parallelism on), or ``None`` (the input is replicated)."""
+
+    group: Optional[comm.ProcessGroup]
+    seq_sizes: Optional[tuple[int, ...]] = None
+    overlap: bool = True
+
+
+class _ColumnParallelLinear(torch.autograd.Function):
+    """``y_i = x W_i^T + b_i`` for each projection ``(W_i, b_i)`` of one input entering a TP region.
+
+    forward: none (``x`` replicated), or with sequence parallelism an all-gather of ``x`` along the
+    sequence dim. backward: an all-reduce (sum) of the input gradient, or with sequence parallelism
+    a reduce-scatter along the sequence dim, plus an all-gather re-gathering ``x`` for the weight
+    gradients. Only ``x`` as it came (this rank's share of the sequence) is saved, so saved
+    activations shrink with TP. With ``overlap`` the collectives are issued asynchronously: the
+    re-gather runs during the input-gradient GEMM, the input-gradient reduction during the
+    weight-gradient GEMMs (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``); without,
+    each is waited for at once. The arithmetic is the same either way.
+
+    Under autocast the GEMMs run in autocast's dtype, as ``F.linear`` would, and the input is cast
+    before it is gathered (half the bytes in bf16).
+    """
+
+    @staticmethod
+    def forward(ctx, x, cfg: ColumnComm, *params):
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        xc = x.to(dtype)
+        with torch.autocast(device_type, enabled=False):
+            total = xc if cfg.seq_sizes is None else comm.all_gather_dim(xc, SEQ_DIM, cfg.group, cfg.seq_sizes)
+            outs = tuple(
+                torch.nn.functional.linear(total, w.to(dtype), None if b is None else b.to(dtype))
+                for w, b in zip(params[0::2], params[1::2])
+            )
+        ctx.cfg, ctx.x_dtype = cfg, x.dtype
+        ctx.save_for_backward(xc, *params)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        cfg = ctx.cfg
+        xc, *params = ctx.saved_tensors
+        weights, biases = params[0::2], params[1::2]
+        with torch.autocast(xc.device.type, enabled=False):
+            grads = [g.to(xc.dtype) for g in grads]
+            if cfg.seq_sizes is not None:
+                gathering = comm.all_gather_dim_start(xc, SEQ_DIM, cfg.group, cfg.seq_sizes)
+                if not cfg.overlap:
+                    gathering = comm.completed(gathering.wait())
+            grad_x = reducing = None
+            if ctx.needs_input_grad[0]:
+                grad_x = sum(g @ w.to(xc.dtype) for g, w in zip(grads, weights))
+            total = xc if cfg.seq_sizes is None else gathering.wait()
+            if grad_x is not None:
+                reducing = (
+                    comm.all_reduce_start(grad_x, cfg.group) if cfg.seq_sizes is None
+                    else comm.reduce_scatter_dim_start(grad_x, SEQ_DIM, cfg.group, cfg.seq_sizes)
+                )
+                if not cfg.overlap:
+                    reducing = comm.completed(reducing.wait())
+            flat_x = _rows(total)
+            param_grads = []
+            for i, (g, w, b) in enumerate(zip(grads, weights, biases)):
+                flat_g = _rows(g)
+                need_w, need_b = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]
+                param_grads.append((flat_g.t() @ flat_x).to(w.dtype) if need_w else None)
+                param_grads.append(flat_g.sum(0).to(b.dtype) if need_b else None)
+            if reducing is not None:
+                grad_x = reducing.wait().to(ctx.x_dtype)
+        return (grad_x, None, *param_grads)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``(*, n)`` as a matrix ``(prod(*), n)`` (``reshape(-1, n)`` is ambiguous when ``n == 0``)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def column_parallel_linear(
+    x: torch.Tensor,
+    projections: Sequence[tuple[torch.Tensor, Optional[torch.Tensor]]],
+    cfg: ColumnComm,
+) -> tuple[torch.Tensor, ...]:
+    """``x W_i^T + b_i`` for each ``(W_i, b_i)`` in ``projections`` (this rank's output columns),
+    with ``x`` entering the TP region once for all of them (see `_ColumnParallelLinear`).
+
+    ``x``: ``(*, in)`` replicated, or ``(*, S_local, in)`` with ``cfg.seq_sizes``; outputs
+    ``(*, out_i_local)``, or ``(*, S, out_i_local)``.
+    """
+    params = [t for pair in projections for t in pair]
+    if _single(cfg.group) and cfg.seq_sizes is not None:
+        cfg = ColumnComm(cfg.group, None, cfg.overlap)
+    return _ColumnParallelLinear.apply(x, cfg, *params)

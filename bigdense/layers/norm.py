@@ -1,0 +1,60 @@
+"""Normalisation layers whose parameters are replicated over TP and which may run on sequence shares.
+
+Under sequence parallelism each TP rank normalises its own share of the sequence, so the
+gradient of the (replicated) weight and bias on one rank is a partial sum. These layers pass their
+parameters through `copy_to_tp` (forward identity, backward all-reduce over TP), so after
+``backward()`` every rank holds the full gradient, exactly as without sequence parallelism, and
+clipping, optimizers and checkpoints treat them as ordinary replicated parameters. State-dict
+names are ``nn.LayerNorm``'s and ``nn.RMSNorm``'s, so checkpoints do not depend on the setting.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..parallel import comm
+from ..parallel.context import resolve_tp_group
+from ..parallel.regions import copy_to_tp
+
+
+class _SequenceParallelNorm:
+    """What both norms share: the group, the flag, and the parameters as the forward sees them."""
+
+    def _setup_sp(self, sequence_parallel: bool, tp_group) -> None:
+        self.sequence_parallel = bool(sequence_parallel)
+        self.tp_group = resolve_tp_group(tp_group)
+
+    def _params(self):
+        params = (self.weight, getattr(self, "bias", None))
+        if not self.sequence_parallel or comm.group_size(self.tp_group) == 1:
+            return params
+        return tuple(None if p is None else copy_to_tp(p, self.tp_group) for p in params)
+
+
+class LayerNorm(_SequenceParallelNorm, nn.LayerNorm):
+    """``nn.LayerNorm`` over the last dims; ``sequence_parallel=True`` sums its parameters'
+    gradients over TP in backward (input: this rank's share of the sequence)."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True, *,
+                 sequence_parallel: bool = False, tp_group=None, device=None, dtype=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
+        self._setup_sp(sequence_parallel, tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self._params()
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
+class RMSNorm(_SequenceParallelNorm, nn.RMSNorm):
+    """``nn.RMSNorm`` over the last dims; ``sequence_parallel=True`` sums its weight's gradient
+    over TP in backward (input: this rank's share of the sequence)."""
+
+    def __init__(self, normalized_shape, eps=None, elementwise_affine: bool = True, *,
+                 sequence_parallel: bool = False, tp_group=None, device=None, dtype=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
+        self._setup_sp(sequence_parallel, tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, _ = self._params()
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
