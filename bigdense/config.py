@@ -70,6 +70,8 @@ class ParallelConfig:
     dp: Optional[int] = None  # None: world_size // tp
     backend: Optional[str] = None  # None: nccl on CUDA, gloo on CPU
     timeout_s: float = 600.0  # bound on every collective, so a dead rank cannot hang the others
+    sequence_parallel: bool = False  # split LayerNorm/dropout/residual activations along the sequence over TP
+    overlap_comm: bool = True  # overlap the column layers' backward collectives with their weight-gradient GEMMs
 
 
 @dataclass

@@ -108,7 +108,7 @@ def train(cfg) -> None:
 
     # 3. Parallelism, applied in a fixed order: TP (the model is built sharded), torch.compile of
     #    each block, activation checkpointing, then the engine (DP, precision, optimizer, clipping).
-    model = build_gpt(cfg.model, data.tokenizer.vocab_size, ctx)
+    model = build_gpt(cfg.model, data.tokenizer.vocab_size, ctx, cfg.parallel)
     if tr.compile:
         compile_blocks(model.blocks, tr.compile_backend)
     apply_recompute(model.blocks, cfg.recompute)

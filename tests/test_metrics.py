@@ -15,14 +15,14 @@ def _rms(t):
     return math.sqrt(t.detach().double().square().mean().item())
 
 
-def _stats(tp, direct=None):
+def _stats(tp, direct=None, sequence_parallel=False):
     """The statistics at ``tp``; with a ``direct`` dict (tp=1 only) also fill it with the RMS of the
     same tensors computed here: weights and gradients read off the parameters, activations taken
     by this test's own hooks on every dense layer (input and non-scalar output)."""
     ctx = bd.init_parallel(tp=tp)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=101, d_model=32, n_layers=1, n_heads=2, max_seq_len=8, dropout=0.0),
-                tp_group=ctx.tp_group)
+    model = GPT(GPTConfig(vocab_size=101, d_model=32, n_layers=1, n_heads=2, max_seq_len=8, dropout=0.0,
+                          sequence_parallel=sequence_parallel), tp_group=ctx.tp_group)
     stats = DenseLayerStats(model, ctx.tp_group)
     dense = {name: m for name, m in model.named_modules()
              if isinstance(m, (bd.TensorParallelModule, torch.nn.Linear, torch.nn.Embedding))}
@@ -56,7 +56,8 @@ def test_rms_statistics_are_those_of_the_unsharded_model():
     for key in ("blocks.0.attn.qkv/act", "blocks.0.attn.out/act_in", "blocks.0.mlp/act_in", "head/act_in",
                 "head/grad", "tok_emb/act", "blocks.0.mlp.up/weight"):
         assert reference[f"rms/{key}"] > 0, key
-    for rank, stats in enumerate(run_ranks(_stats, 2, 2)):
+    # With sequence parallelism the sequence-side activations are shares of the sequence.
+    for rank, stats in enumerate(run_ranks(_stats, 2, 2) + run_ranks(_stats, 2, 2, None, True)):
         assert stats.keys() == reference.keys()
         for key, value in stats.items():
             # Sums of squares regrouped over two ranks: fp32 rounding only.

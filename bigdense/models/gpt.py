@@ -15,8 +15,8 @@ With ``sequence_parallel=True`` the activations between blocks, the LayerNorms, 
 dropouts hold this rank's balanced share of the sequence, (B, S_local, d): each block then does 2
 all-gathers (entering attention and the MLP) and 2 reduce-scatters (leaving them) forward, the
 mirror image backward plus 2 all-gathers re-gathering the column inputs, and saves 1/tp of the
-activations. The replicated parameters (LayerNorms, row biases, position embedding) have their
-gradients summed over TP in backward. Parameters, state dicts and checkpoints do not change.
+activations. The replicated parameters (LayerNorms, row biases) have their gradients summed over
+TP in backward; the position embeddings' gradient is all-gathered. Parameters, state dicts and checkpoints do not change.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ from ..layers.base import sequence_dropout
 from ..parallel.context import resolve_tp_group
 from ..parallel.comm import group_rank, group_size
 from ..parallel.random import tp_dropout
-from ..parallel.regions import copy_to_tp
+from ..parallel.regions import scatter_to_sequence
 from ..parallel.sharding import shard_sizes
 
 ATTENTION_DROPOUT_MODES = ("invariant", "fused")
@@ -218,14 +218,12 @@ class GPT(nn.Module):
         if s > self.cfg.max_seq_len:
             raise ValueError(f"GPT: sequence length {s} exceeds max_seq_len={self.cfg.max_seq_len}")
         shares, rank = None, group_rank(self.tp_group)
+        position = self.pos_emb(torch.arange(s, device=idx.device))
         if self.cfg.sequence_parallel:
             shares = shard_sizes(s, group_size(self.tp_group))
-            start = sum(shares[:rank])
-            # Each rank embeds its own positions: the table's gradient is summed over TP.
-            pos = torch.arange(start, start + shares[rank], device=idx.device)
-            position = F.embedding(pos, copy_to_tp(self.pos_emb.weight, self.tp_group))
-        else:
-            position = self.pos_emb(torch.arange(s, device=idx.device))
+            # This rank's positions; the backward all-gathers the (S, d) gradient, so every rank
+            # holds the table's full gradient.
+            position = scatter_to_sequence(position, self.tp_group, shares)
         x = sequence_dropout(self.tok_emb(idx) + position, self.cfg.dropout, self.training, shares, rank)
         for block in self.blocks:
             x = block(x, s)

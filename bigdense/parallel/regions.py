@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import comm
+from .sharding import shard_sizes
 
 SEQ_DIM = -2  # activations are (*, seq, hidden); sequence parallelism splits seq
 
@@ -126,8 +127,8 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, sizes):
-        ctx.group, ctx.sizes = group, sizes
-        return comm.reduce_scatter_dim(x.contiguous(), SEQ_DIM, group, sizes)
+        ctx.group, ctx.sizes = group, sizes or _balanced(x, group)  # the backward then needs no exchange
+        return comm.reduce_scatter_dim(x.contiguous(), SEQ_DIM, group, ctx.sizes)
 
     @staticmethod
     def backward(ctx, grad):
@@ -139,12 +140,16 @@ class _ScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, sizes):
-        ctx.group, ctx.sizes = group, sizes
-        return comm.split_dim(x, SEQ_DIM, group, sizes)
+        ctx.group, ctx.sizes = group, sizes or _balanced(x, group)
+        return comm.split_dim(x, SEQ_DIM, group, ctx.sizes)
 
     @staticmethod
     def backward(ctx, grad):
         return comm.all_gather_dim(grad.contiguous(), SEQ_DIM, ctx.group, ctx.sizes), None, None
+
+
+def _balanced(x: torch.Tensor, group) -> tuple[int, ...]:
+    return tuple(shard_sizes(x.shape[SEQ_DIM], comm.group_size(group)))
 
 
 def _sizes(sizes):

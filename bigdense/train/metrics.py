@@ -93,13 +93,17 @@ class DenseLayerStats:
             if not self.capture:
                 return
             x = inputs[0] if inputs else None
+            row = isinstance(module, RowParallelLinear)
+            # Under sequence parallelism a layer's sequence-side activations are this rank's share.
+            sp = getattr(module, "sequence_parallel", False)
             if isinstance(x, torch.Tensor) and x.is_floating_point():
                 # A row-parallel layer takes this rank's slice of the hidden features.
-                sharded = isinstance(module, RowParallelLinear) and module.input_is_parallel
+                sharded = (row and module.input_is_parallel) or (sp and not row)
                 self._record(f"{name}/act_in", x, sharded)
             if isinstance(output, torch.Tensor) and output.is_floating_point() and output.dim() > 0:
                 # Column-parallel layers hand out their slice of the output features.
-                sharded = isinstance(module, ColumnParallelLinear) and not module.gather_output
+                column = isinstance(module, ColumnParallelLinear)
+                sharded = (column and not module.gather_output) or (sp and not column)
                 self._record(f"{name}/act", output, sharded)
 
         return record

@@ -66,10 +66,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_gpt(model_cfg, vocab_size: int, ctx: ParallelContext):
-    """The reference GPT from the ``model`` config group, sharded over ``ctx``'s TP group."""
+def build_gpt(model_cfg, vocab_size: int, ctx: ParallelContext, parallel_cfg=None):
+    """The reference GPT from the ``model`` config group, sharded over ``ctx``'s TP group
+    (sequence parallelism and communication overlap from the ``parallel`` group, when given)."""
     from ..models import GPT, GPTConfig
 
     cfg = GPTConfig.from_config(model_cfg, vocab_size)
+    if parallel_cfg is not None:
+        cfg.sequence_parallel = bool(parallel_cfg.sequence_parallel)
+        cfg.overlap_comm = bool(parallel_cfg.overlap_comm)
     with torch.device(ctx.device):
         return GPT(cfg, tp_group=ctx.tp_group)

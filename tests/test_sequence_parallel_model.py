@@ -1,0 +1,183 @@
+"""The reference GPT with sequence parallelism: exact collective counts of a block, parity with tp=1
+(dropout on), clipping, layout-free checkpoints, and (slow) 20 training steps per layout/engine.
+
+Tolerances as in test_models / test_train_parity: sequence parallelism changes only the order of the
+TP sums (reduce-scatters instead of all-reduces, weight gradients over gathered rows); the dropout
+masks are the same rows of the same global masks.
+"""
+import numpy as np
+import pytest
+import torch
+
+import bigdense as bd
+from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
+from bigdense.models import GPT, GPTConfig
+from bigdense.models.gpt import Block
+from bigdense.parallel import comm
+from bigdense.testing import run_ranks
+from helpers import assert_close
+
+VOCAB, SEQ = 203, 15  # 203 rows and 15 positions: uneven over 2 and 4 ranks
+
+
+def _cfg(**kw):
+    base = dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, dropout=0.2, head_chunk_size=10)
+    return GPTConfig(**{**base, **kw})
+
+
+# ---- collective counts of one block ----
+B, S, D = 2, 8, 16
+
+
+def _block_counts(sequence_parallel):
+    ctx = bd.init_parallel(tp=2)
+    torch.manual_seed(0)
+    block = Block(_cfg(d_model=D, dropout=0.0, sequence_parallel=sequence_parallel), ctx.tp_group)
+    x = torch.randn(B, S, D)
+    x = (comm.split_dim(x, -2, ctx.tp_group) if sequence_parallel else x).requires_grad_()
+    with bd.set_checks(False):  # the hot loop's setting: no exchange of sequence lengths
+        with bd.count_collectives() as forward:
+            y = block(x, seq_len=S)
+        with bd.count_collectives() as backward:
+            y.backward(torch.ones_like(y))
+    return forward.by_kind, backward.by_kind
+
+
+def test_gpt_block_collective_counts_with_and_without_sequence_parallelism():
+    activation = B * S * D * 4  # fp32 bytes of one (B, S, d) activation, whole
+    forward, backward = run_ranks(_block_counts, 2, False)[0]
+    assert forward == {"all_reduce": (2, 2 * activation)}
+    assert backward == {"all_reduce": (2, 2 * activation)}
+
+    forward, backward = run_ranks(_block_counts, 2, True)[0]
+    assert forward == {"all_gather": (2, 2 * activation), "reduce_scatter": (2, 2 * activation)}
+    # The mirror image, plus the re-gathers of the column layers' inputs; all-reduces only of the
+    # replicated parameters' gradients (ln1, ln2 weight and bias, attention-out and MLP-down biases).
+    assert backward == {
+        "all_gather": (4, 4 * activation),
+        "reduce_scatter": (2, 2 * activation),
+        "all_reduce": (6, 6 * D * 4),
+    }
+
+
+# ---- parity with tp=1 ----
+def _grads(model, ctx):
+    full = lambda t, dim: comm.all_gather_dim(t, dim, ctx.tp_group).clone()  # noqa: E731
+    return {
+        "tok_emb": full(model.tok_emb.weight.grad, 0),
+        "qkv": full(model.blocks[0].attn.qkv.weight.grad, 0),
+        "out.bias": model.blocks[1].attn.out.bias.grad.clone(),
+        "ln1": model.blocks[0].ln1.weight.grad.clone(),
+        "ln_f": model.ln_f.weight.grad.clone(),
+        "pos_emb": model.pos_emb.weight.grad.clone(),
+    }
+
+
+def _gpt_run(tp, sequence_parallel, activation="gelu"):
+    ctx = bd.init_parallel(tp=tp)
+    torch.manual_seed(0)
+    model = GPT(_cfg(sequence_parallel=sequence_parallel, activation=activation), tp_group=ctx.tp_group)
+    idx = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(1))
+    loss = model(idx, idx.roll(-1, dims=1))
+    loss.backward()
+    grads = _grads(model, ctx)
+    norm = bd.clip_grad_norm_(model, 0.5)  # the unsharded norm, replicated gradients counted once
+    return loss.item(), grads, norm.item(), _grads(model, ctx)["ln_f"]
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_gpt_with_sequence_parallelism_matches_tp1_with_dropout_on(activation):
+    ref_loss, ref_grads, ref_norm, ref_clipped = _gpt_run(1, False, activation)
+    for tp in (2, 4):
+        for rank, (loss, grads, norm, clipped) in enumerate(run_ranks(_gpt_run, tp, tp, True, activation)):
+            where = f"tp={tp} with SP, rank {rank}"
+            assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), f"{where}: loss {loss} vs {ref_loss}"
+            for name, g in grads.items():
+                # 5e-6 of the tensor's largest entry: small entries are sums with cancellation.
+                assert_close(g, ref_grads[name], f"{where}: grad {name}", rtol=0, atol=5e-6 * ref_grads[name].abs().max())
+            assert abs(norm - ref_norm) <= 1e-5 * ref_norm, f"{where}: grad norm {norm} vs {ref_norm}"
+            assert_close(clipped, ref_clipped, f"{where}: clipped ln_f grad", rtol=0, atol=5e-6 * ref_clipped.abs().max())
+
+
+# ---- checkpoints stay layout-free ----
+def _steps(model, opt, n, start):
+    losses = []
+    for step in range(start, start + n):
+        g = torch.Generator().manual_seed(100 + step)
+        idx = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+        loss = model(idx, idx.roll(-1, dims=1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _model_and_opt(tp, sequence_parallel, seed):
+    ctx = bd.init_parallel(tp=tp)
+    torch.manual_seed(seed)
+    model = GPT(_cfg(sequence_parallel=sequence_parallel), tp_group=ctx.tp_group)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def _save_with_sp(path):
+    model, opt = _model_and_opt(2, True, 0)
+    _steps(model, opt, 3, 0)
+    bd.save_checkpoint(path, model, opt, step=3)
+    return _steps(model, opt, 3, 3)
+
+
+def _load_without_sp(tp, path):
+    model, opt = _model_and_opt(tp, False, 12345)  # another seed: only the checkpoint can make it agree
+    bd.load_checkpoint(path, model, opt)
+    return _steps(model, opt, 3, 3)
+
+
+def test_checkpoint_saved_with_sequence_parallelism_continues_identically_without(tmp_path):
+    path = str(tmp_path / "step_3")
+    with_sp = run_ranks(_save_with_sp, 2, path)[0]
+    for tp in (1, 4):
+        for rank, losses in enumerate(run_ranks(_load_without_sp, tp, tp, path)):
+            np.testing.assert_allclose(losses, with_sp, rtol=2e-6, err_msg=f"tp={tp} without SP, rank {rank}")
+
+
+# ---- 20 training steps per layout and engine (test_train_parity's setup, with SP) ----
+STEPS, GLOBAL_BATCH = 20, 4
+
+
+def _train(tp, engine_kind, sequence_parallel):
+    ctx = bd.init_parallel(tp=tp)
+    torch.manual_seed(0)
+    model = GPT(_cfg(sequence_parallel=sequence_parallel, d_model=64, max_seq_len=32, dropout=0.1, head_chunk_size=48),
+                tp_group=ctx.tp_group)
+    local = GLOBAL_BATCH // ctx.dp_size
+    engine = bd.build_engine(
+        model, ctx, engine_cfg=EngineConfig(kind=engine_kind, zero_stage=1),
+        optim_cfg=OptimConfig(lr=3e-3, warmup_steps=3), precision_cfg=PrecisionConfig(dtype="fp32"),
+        micro_batch_size=local, grad_accum=1, max_steps=STEPS,
+    )
+    losses, norms = [], []
+    for step in range(STEPS):
+        g = np.random.default_rng([7, step])
+        tokens = torch.from_numpy(g.choice(np.arange(0, VOCAB, 16), size=(GLOBAL_BATCH, 32 + 1)))
+        rows = slice(ctx.dp_rank * local, (ctx.dp_rank + 1) * local)
+        result = engine.train_step([(tokens[rows, :-1], tokens[rows, 1:])])
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    return losses, norms
+
+
+@pytest.mark.slow
+def test_gpt_training_with_sequence_parallelism_matches_tp1_across_layouts_and_engines():
+    ref_losses, ref_norms = map(np.array, run_ranks(_train, 1, 1, "ddp", False)[0])
+    layouts = {
+        "tp=2 SP (DDP engine)": run_ranks(_train, 2, 2, "ddp", True),
+        "tp=4 SP (DDP engine)": run_ranks(_train, 4, 4, "ddp", True),
+        "tp=2 x dp=2 SP (DDP)": run_ranks(_train, 4, 2, "ddp", True),
+        "tp=2 SP, DeepSpeed ZeRO-1": run_ranks(_train, 2, 2, "deepspeed", True, timeout=600),
+    }
+    assert ref_losses[-1] < ref_losses[0] - 0.3, "the reference run should learn something in 20 steps"
+    for name, per_rank in layouts.items():
+        for rank, (losses, norms) in enumerate(per_rank):
+            np.testing.assert_allclose(losses, ref_losses, rtol=2e-6, err_msg=f"{name}, rank {rank}: losses")
+            np.testing.assert_allclose(norms, ref_norms, rtol=1e-5, err_msg=f"{name}, rank {rank}: grad norms")
