@@ -132,7 +132,8 @@ class ParallelSelfAttention(nn.Module):
         self.out = RowParallelLinear(d_model, d_model, **kw)
 
     def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
-        qkv = self.qkv(x, seq_len)
+        # (A `bd.low_rank` pair standing in for qkv takes the input alone; it is never sequence-parallel.)
+        qkv = self.qkv(x, seq_len) if self.sequence_parallel else self.qkv(x)
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, self.heads_local, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         p = self.attention_dropout if self.training else 0.0
