@@ -1,5 +1,6 @@
 """The reference GPT with sequence parallelism: exact collective counts of a block, parity with tp=1
-(dropout on), clipping, layout-free checkpoints, and (slow) 20 training steps per layout/engine.
+(dropout on), clipping, activation checkpointing, layout-free checkpoints. (20 training steps per
+layout and engine: test_train_parity.)
 
 Tolerances as in test_models / test_train_parity: sequence parallelism changes only the order of the
 TP sums (reduce-scatters instead of all-reduces, weight gradients over gathered rows); the dropout
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import bigdense as bd
-from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig, RecomputeConfig
+from bigdense.config import RecomputeConfig
 from bigdense.models import GPT, GPTConfig
 from bigdense.models.gpt import Block
 from bigdense.parallel import comm
@@ -157,45 +158,3 @@ def test_checkpoint_saved_with_sequence_parallelism_continues_identically_withou
     for tp in (1, 4):
         for rank, losses in enumerate(run_ranks(_load_without_sp, tp, tp, path)):
             np.testing.assert_allclose(losses, with_sp, rtol=2e-6, err_msg=f"tp={tp} without SP, rank {rank}")
-
-
-# ---- 20 training steps per layout and engine (test_train_parity's setup, with SP) ----
-STEPS, GLOBAL_BATCH = 20, 4
-
-
-def _train(tp, engine_kind, sequence_parallel):
-    ctx = bd.init_parallel(tp=tp)
-    torch.manual_seed(0)
-    model = GPT(_cfg(sequence_parallel=sequence_parallel, d_model=64, max_seq_len=32, dropout=0.1, head_chunk_size=48),
-                tp_group=ctx.tp_group)
-    local = GLOBAL_BATCH // ctx.dp_size
-    engine = bd.build_engine(
-        model, ctx, engine_cfg=EngineConfig(kind=engine_kind, zero_stage=1),
-        optim_cfg=OptimConfig(lr=3e-3, warmup_steps=3), precision_cfg=PrecisionConfig(dtype="fp32"),
-        micro_batch_size=local, grad_accum=1, max_steps=STEPS,
-    )
-    losses, norms = [], []
-    for step in range(STEPS):
-        g = np.random.default_rng([7, step])
-        tokens = torch.from_numpy(g.choice(np.arange(0, VOCAB, 16), size=(GLOBAL_BATCH, 32 + 1)))
-        rows = slice(ctx.dp_rank * local, (ctx.dp_rank + 1) * local)
-        result = engine.train_step([(tokens[rows, :-1], tokens[rows, 1:])])
-        losses.append(result.loss)
-        norms.append(result.grad_norm)
-    return losses, norms
-
-
-@pytest.mark.slow
-def test_gpt_training_with_sequence_parallelism_matches_tp1_across_layouts_and_engines():
-    ref_losses, ref_norms = map(np.array, run_ranks(_train, 1, 1, "ddp", False)[0])
-    layouts = {
-        "tp=2 SP (DDP engine)": run_ranks(_train, 2, 2, "ddp", True),
-        "tp=4 SP (DDP engine)": run_ranks(_train, 4, 4, "ddp", True),
-        "tp=2 x dp=2 SP (DDP)": run_ranks(_train, 4, 2, "ddp", True),
-        "tp=2 SP, DeepSpeed ZeRO-1": run_ranks(_train, 2, 2, "deepspeed", True, timeout=600),
-    }
-    assert ref_losses[-1] < ref_losses[0] - 0.3, "the reference run should learn something in 20 steps"
-    for name, per_rank in layouts.items():
-        for rank, (losses, norms) in enumerate(per_rank):
-            np.testing.assert_allclose(losses, ref_losses, rtol=2e-6, err_msg=f"{name}, rank {rank}: losses")
-            np.testing.assert_allclose(norms, ref_norms, rtol=1e-5, err_msg=f"{name}, rank {rank}: grad norms")

@@ -31,11 +31,12 @@ def _global_batch(step):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _train(tp, engine_kind):
+def _train(tp, engine_kind, sequence_parallel=False):
     ctx = bd.init_parallel(tp=tp)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=SEQ,
-                          dropout=0.1, head_chunk_size=48), tp_group=ctx.tp_group)
+                          dropout=0.1, head_chunk_size=48, sequence_parallel=sequence_parallel),
+                tp_group=ctx.tp_group)
     local = GLOBAL_BATCH // ctx.dp_size
     engine = bd.build_engine(
         model, ctx, engine_cfg=EngineConfig(kind=engine_kind, zero_stage=1),
@@ -53,12 +54,26 @@ def _train(tp, engine_kind):
 
 
 def test_gpt_losses_agree_step_by_step_across_layouts_and_engines():
-    reference = run_ranks(_train, 1, 1, "ddp")[0]
-    layouts = {
+    _assert_layouts_agree({
         "tp=2 (DDP engine)": run_ranks(_train, 2, 2, "ddp"),
         "tp=2 x dp=2 (DDP)": run_ranks(_train, 4, 2, "ddp"),
         "tp=2, DeepSpeed ZeRO-1": run_ranks(_train, 2, 2, "deepspeed", timeout=600),
-    }
+    })
+
+
+@pytest.mark.slow
+def test_gpt_losses_with_sequence_parallelism_agree_with_tp1():
+    """Sequence parallelism changes only the order of the TP sums; the masks are the same rows."""
+    _assert_layouts_agree({
+        "tp=2 SP (DDP engine)": run_ranks(_train, 2, 2, "ddp", True),
+        "tp=4 SP (DDP engine)": run_ranks(_train, 4, 4, "ddp", True),
+        "tp=2 x dp=2 SP (DDP)": run_ranks(_train, 4, 2, "ddp", True),
+        "tp=2 SP, DeepSpeed ZeRO-1": run_ranks(_train, 2, 2, "deepspeed", True, timeout=600),
+    })
+
+
+def _assert_layouts_agree(layouts):
+    reference = run_ranks(_train, 1, 1, "ddp")[0]
     ref_losses, ref_norms = map(np.array, reference)
     assert ref_losses[-1] < ref_losses[0] - 0.3, "the reference run should learn something in 20 steps"
     for name, per_rank in layouts.items():
