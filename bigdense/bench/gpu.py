@@ -245,6 +245,9 @@ def _print_table(results: list[dict]) -> None:
             util = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
             print(f"{r['model']:10s} {r['params'] / 1e6:6.0f}M {r['tp']:3d} {mode:9s} {r['step_ms']:9.1f} "
                   f"{r['tokens_per_s']:11,.0f} {r['tokens_per_s_per_device']:10,.0f} {util:>6s} {r['peak_mem_gb']:9.2f}")
+    for r in results:
+        if r.get("case") not in ("gpt",) and "error" in r:
+            print(f"{r['case']}: failed: {r['error'].strip().splitlines()[-1]}")
     for case in ("mlp", "head"):
         rows = [r for r in results if r.get("case") == case]
         if rows:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import hashlib
 from typing import Optional
 
-import xxhash
-
 ALGORITHM = "xxh3_128"
 
 
@@ -20,7 +18,12 @@ class Hasher:
 
     def __init__(self, algorithm: str = ALGORITHM):
         self.algorithm = algorithm
-        self._h = xxhash.xxh3_128() if algorithm == ALGORITHM else hashlib.new(algorithm)
+        if algorithm == ALGORITHM:
+            import xxhash  # here, not at import: `import bigdense` must work where only torch is (bench.gpu)
+
+            self._h = xxhash.xxh3_128()
+        else:
+            self._h = hashlib.new(algorithm)
 
     def update(self, data) -> "Hasher":
         self._h.update(data)
