@@ -9,10 +9,11 @@ The peak is the largest of the moments a step passes through, each a sum of what
   them in the forward) and one chunk of logits;
 * ``backward`` -- the first block's backward: the same, the head's gradients, and the block's
   gradients of activations (and its recomputed activations);
-* ``backward_end`` -- every gradient, plus the embedding's dense gradient before it is added to a
-  tied head's;
-* ``optimizer`` -- every gradient and the optimizer's temporaries (torch's single-tensor AdamW on
-  CPU: two of the largest parameter; the foreach one on GPUs: one of all parameters).
+* ``backward_end`` -- every gradient; with a tied embedding and head, the embedding's dense
+  gradient and its sum with the head's gradient, both alive next to the head's;
+* ``optimizer`` -- every gradient and the optimizer's temporaries (none for the DDP engine's fused
+  AdamW; DeepSpeed's torch AdamW: two of the largest parameter on CPU, one of all parameters with
+  the foreach kernels on GPUs).
 
 ``overhead`` (CUDA context, communication library, allocator slack) is added on top of the peak
 for the total held against the device.
@@ -98,7 +99,10 @@ def _state_bytes(params: int, trainable: int, largest: int, layout: Layout) -> d
     buckets = 0
     if layout.engine == "deepspeed" and zero == 2:
         buckets = min(DS_REDUCE_BUCKET, trainable) * pb  # contiguous_gradients' reduce buffer
-    temporaries = (2 * largest * 4) if layout.device_type == "cpu" else trainable * 4
+    if layout.engine != "deepspeed":
+        temporaries = 0  # fused AdamW
+    else:
+        temporaries = (2 * largest * 4) if layout.device_type == "cpu" else trainable * 4
     return {"params": params * pb, "grads": grads, "optimizer": optimizer, "buckets": buckets,
             "optimizer_temporaries": temporaries}
 
@@ -145,7 +149,8 @@ def estimate(
         est.phases = {"optimizer": base + states["grads"] + states["optimizer_temporaries"]}
     else:
         acts, head = gpt.stored_bytes(), gpt.head_bytes()
-        tied_emb = gpt.shape.vocab_size * gpt.shape.d_model / layout.tp * 4 if gpt.shape.tie_embeddings else 0
+        shard = -(-gpt.shape.vocab_size // layout.tp) * gpt.shape.d_model * layout.param_bytes  # the largest rank
+        tied_emb = 2 * shard if gpt.shape.tie_embeddings else 0
         est.phases = {
             "forward": base + persistent_grads + acts + head["grads"] + head["chunk"],
             "backward": base + max(persistent_grads, head["grads"]) + acts + gpt.backward_block_bytes(),
