@@ -9,6 +9,7 @@
 Options: conf/ (one folder per group), documented in bigdense/config.py. Everything a run writes
 goes to its Hydra run directory: metrics.jsonl, loss_curve.png, checkpoints/, train_rank*.log.
 """
+import io
 import logging
 import math
 import os
@@ -22,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from tqdm import tqdm
 
 import bigdense as bd
-from bigdense.config import ConfigError, register_configs
+from bigdense.config import ConfigError, check_override_keys, register_configs
 from bigdense.data import prepare_data
 from bigdense.train import EngineSettings, apply_recompute, build_engine
 from bigdense.train.checkpointing import RunCheckpoints, train_step_or_diagnose
@@ -75,19 +76,53 @@ def evaluate(engine, data, ctx, n_batches: int) -> float:
     return sum(losses) / len(losses)
 
 
+def stop(message: str, code: int):
+    """Print a message that every rank meets alike (a bad config) once, then exit with ``code``.
+
+    Rank 0 prints at once. The other ranks leave it to rank 0: torchrun stops every rank once one
+    exits, so they are normally stopped while they wait, silently. One still here after that,
+    rank 0 did not meet the error (a check that depends on the machine): it says it.
+    """
+    rank = launcher_world()[0]
+    if rank != 0:
+        time.sleep(10)
+        message = message.replace("bigdense: bad config: ", f"bigdense: bad config (rank {rank}): ", 1)
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+class HeldStderr:
+    """On ranks other than 0, holds what Hydra writes to stderr until the job starts, so its
+    composition errors go through `stop` (printed once) rather than once per rank."""
+
+    def __init__(self):
+        self.real = sys.stderr
+        self.held = io.StringIO() if launcher_world()[0] != 0 else None
+
+    def __enter__(self):
+        if self.held is not None:
+            sys.stderr = self.held
+        return self
+
+    def release(self) -> None:
+        sys.stderr = self.real
+
+    def __exit__(self, kind, err, tb) -> None:
+        self.release()
+        if kind is SystemExit and self.held is not None and self.held.getvalue():
+            stop(self.held.getvalue().rstrip(), err.code)
+
+
+HOLD = HeldStderr()
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg) -> None:
+    HOLD.release()
     try:
         train(cfg)
     except ConfigError as err:  # raised before any training step, normally on every rank alike
-        rank = launcher_world()[0]
-        if rank != 0:
-            # Leave the message to rank 0: torchrun stops every rank once one exits, so this rank
-            # is normally stopped while it waits. Still here, rank 0 did not see this error (a
-            # check that depends on the machine): say it.
-            time.sleep(10)
-        print(f"bigdense: bad config{f' (rank {rank})' if rank else ''}: {err}", file=sys.stderr)
-        sys.exit(2)
+        stop(f"bigdense: bad config: {err}", 2)
     except TrainingStopped as err:  # a fault the run cannot continue past
         print(f"bigdense: {err}", file=sys.stderr)
         sys.exit(1)
@@ -220,4 +255,9 @@ if __name__ == "__main__":
     # The deepspeed launcher passes --local_rank=N; Hydra only takes key=value overrides, and
     # LOCAL_RANK is in the environment anyway.
     sys.argv = [a for a in sys.argv if not a.startswith("--local_rank")]
-    main()
+    try:  # before Hydra, whose answer to a misspelt key is a hint to add it with `+`
+        check_override_keys(sys.argv[1:])
+    except ConfigError as err:
+        stop(f"bigdense: bad config: {err}", 2)
+    with HOLD:
+        main()

@@ -78,12 +78,16 @@ def test_torchrun_two_processes_default_is_tp2_in_the_default_run_directory(tmp_
         ("data=files", "bigdense: bad config: data.source=files needs data.path"),
         ("optim.schedule=linear", "bigdense: bad config: optim.schedule='linear' is not one of"),
         ("engine=deepspeed precision=fp16", "bigdense: bad config: precision=fp16 with engine=deepspeed needs a GPU"),
+        ("trainer.max_step=10", "bigdense: bad config: trainer.max_step is not a config key; did you mean trainer.max_steps?"),
+        ("+trainer.max_step=10", "bigdense: bad config: trainer.max_step is not a config key; did you mean trainer.max_steps?"),
+        ("model=gpt_huge", "In 'config': Could not find 'model/gpt_huge'"),  # Hydra's own message, once too
     ],
 )
 def test_bad_config_stops_every_rank_with_one_message(tmp_path, small, override, message):
     code, out = run(torchrun(2, *small, *override.split(), f"hydra.run.dir={tmp_path}"))
     assert code != 0
     assert out.count(message) == 1, out
+    assert not (tmp_path / "metrics.jsonl").exists()  # stopped before any work
 
 
 def test_unknown_group_option_names_the_choices(tmp_path, small):
