@@ -94,6 +94,7 @@ def test_save_at_tp2_loads_bit_identically_at_tp_1_3_4_and_after_dp_changes(tmp_
     # Offline export: one file, plain names, full tensors equal to the reference.
     dense = load_file(bd.export_dense(ckpt_c, tmp_path / "dense.safetensors"))
     model_ref = {k[len("model/"):]: v for k, v in reference.items() if k.startswith("model/")}
+    model_ref.pop("head.weight", None)  # tied to emb.weight: written once, under the embedding's name
     assert sorted(dense) == sorted(model_ref)
     for name, value in model_ref.items():
         assert torch.equal(dense[name], value), name

@@ -133,10 +133,16 @@ def test_token_dtype():
 
 # ---- cache ----------------------------------------------------------------------------------------
 
-def test_second_call_reuses_the_cache_without_training(corpus_dir, tmp_path, monkeypatch):
+def test_second_call_reuses_the_cache_without_training(corpus_dir, tmp_path, monkeypatch, caplog):
     cfg = _cfg(corpus_dir, tmp_path)
-    first = prepare_data(cfg)
+    with caplog.at_level("INFO", logger="bigdense"):
+        first = prepare_data(cfg)
     assert first.built and first.cache_path.parent == tmp_path / "cache" / "data"
+    # The first use says what it builds and how long that usually takes, before the silence.
+    announce = [r.getMessage() for r in caplog.records if "first use of this corpus" in r.getMessage()]
+    assert len(announce) == 1 and "300-entry byte-level BPE" in announce[0], caplog.text
+    assert "usually takes about" in announce[0] and str(first.cache_path) in announce[0]
+    caplog.clear()
 
     def no_training(*a, **k):
         raise AssertionError("the tokenizer was trained again")
@@ -148,6 +154,7 @@ def test_second_call_reuses_the_cache_without_training(corpus_dir, tmp_path, mon
     assert np.array_equal(second.val_tokens, first.val_tokens)
     assert "loaded" in second.describe() and str(second.cache_path) in second.describe()
     assert [p.name for p in (tmp_path / "cache" / "data").iterdir()] == [first.cache_path.name]
+    assert "first use" not in caplog.text
 
 
 def test_anything_that_changes_the_result_changes_the_cache_folder(corpus_dir, tmp_path):

@@ -6,6 +6,7 @@ the plain PyTorch twin of the model: the exported file loads into it with ``load
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,11 @@ from .pieces import current_context, model_pieces, unwrap
 def export_dense(ckpt_path, out_file, *, dtype: Optional[torch.dtype] = None, verify: bool = True) -> Path:
     """Write the model of checkpoint ``ckpt_path`` as ONE unsharded safetensors file ``out_file``.
 
-    Offline: one process, no process group, any saved layout. Names are the plain module names
-    (tied weights appear under each of their names, as ``nn.Module.state_dict`` lists them), so
-    ``plain_model.load_state_dict(safetensors.torch.load_file(out_file))`` works. Each global tensor
+    Offline: one process, no process group, any saved layout. Names are the plain module names.
+    A tied tensor is written once, under its first name (the input embedding's, as Hugging Face
+    does); the file's metadata ``"tied"`` maps the other names to it (JSON). So
+    ``safetensors.torch.load_model(plain_model, out_file)`` loads it into a tied plain model (it
+    knows tied names), as does `load_dense_state_dict` into a sharded one. Each global tensor
     is assembled from the shard files on disk and written before the next one is built: memory is
     O(largest tensor). Shard checksums are verified (``verify``). ``dtype`` casts floating-point
     tensors (e.g. ``torch.bfloat16`` for a smaller file). The file appears atomically.
@@ -39,7 +42,7 @@ def export_dense(ckpt_path, out_file, *, dtype: Optional[torch.dtype] = None, ve
     tensors = manifest["tensors"]
     names = {k[len("model/"):]: k for k in tensors if k.startswith("model/")}
     check_files(ckpt, manifest, sorted({s["file"] for k in names.values() for s in tensors[k]["shards"]}))
-    names.update({alias: f"model/{target}" for alias, target in manifest.get("aliases", {}).items()})
+    tied = manifest.get("aliases", {})
     ordered = sorted(names)
 
     def out_dtype(entry):
@@ -67,7 +70,8 @@ def export_dense(ckpt_path, out_file, *, dtype: Optional[torch.dtype] = None, ve
     tmp = hidden_sibling(out_file, "tmp")
     try:
         layout = [(n, out_dtype(tensors[names[n]]), tensors[names[n]]["global_shape"]) for n in ordered]
-        write_safetensors(tmp, layout, assemble, {"format": "pt", "source": f"{FORMAT_NAME}:{ckpt.name}"})
+        metadata = {"format": "pt", "source": f"{FORMAT_NAME}:{ckpt.name}", "tied": json.dumps(tied, sort_keys=True)}
+        write_safetensors(tmp, layout, assemble, metadata)
         os.replace(tmp, out_file)
     finally:
         for reader in readers.values():
@@ -120,10 +124,14 @@ def _plan_dense_load(module, state_dict, source: str, strict: bool, tp_rank: int
     reader = SafetensorsReader(state_dict) if isinstance(state_dict, (str, os.PathLike)) else None
     try:
         keys = set(reader.header) if reader is not None else set(state_dict)
+        # A file written by `export_dense` stores a tied tensor once; an untied model takes it under
+        # each of its names.
+        tied = json.loads(reader.metadata.get("tied", "{}")) if reader is not None else {}
         model_state = model_pieces(module, tp_rank, tp_size)
         sources, missing = {}, []
         for name, piece in model_state.pieces.items():
-            found = [n for n in [name, *[a for a, t in model_state.aliases.items() if t == name]] if n in keys]
+            names = [name, *[a for a, t in model_state.aliases.items() if t == name]]
+            found = [n for n in [*names, *[tied.get(n) for n in names]] if n in keys]
             if not found:
                 missing.append(name)
                 continue

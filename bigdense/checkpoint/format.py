@@ -154,7 +154,7 @@ class SafetensorsReader:
                 self.header = json.loads(self._file.read(header_len))
             except ValueError as exc:
                 raise CheckpointError(f"{self.path}: corrupted safetensors header ({exc})") from None
-            self.header.pop("__metadata__", None)
+            self.metadata = self.header.pop("__metadata__", None) or {}
             self._base = 8 + header_len
             self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY) if size > 0 else None
             self._size = size

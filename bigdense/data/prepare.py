@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from . import cache
 from .batches import BatchSampler, _check_length, eval_batches
 from .corpus import list_files, source_root
 from .tokenizer import MIN_VOCAB, BPETokenizer
+
+log = logging.getLogger("bigdense")
 
 
 @dataclass
@@ -129,6 +132,18 @@ def _everywhere(selected: bool, fn: Callable[[], None], rank: int) -> None:
         raise error
 
 
+# Rough cost of a first build (BPE training plus encoding) per MB of text on one CPU core, only to
+# tell a person how long the silence before the first step will last; the README has measurements.
+BUILD_S_PER_MB = 1.0
+
+
+def announce_build(files, vocab_size: int, path: Path) -> None:
+    mb = sum(f.take for f in files) / 2**20
+    log.info("data: first use of this corpus: training a %d-entry byte-level BPE vocabulary on %.1f MB of text "
+             "(%d files) and tokenizing it into %s; this usually takes about %.0f s (cached afterwards)",
+             vocab_size, mb, len(files), path, max(5.0, BUILD_S_PER_MB * mb))
+
+
 def prepare_data(cfg, ctx=None, *, seed: int = 0) -> Data:
     """Build (once, on the main rank) or find the cache for ``cfg`` (a `DataConfig` or the ``data``
     node of a Hydra config), then memory-map it on every rank.
@@ -171,7 +186,10 @@ def prepare_data(cfg, ctx=None, *, seed: int = 0) -> Data:
 
     def build_if_missing() -> None:
         if cache.load(path, key, cfg.vocab_size) is None:
-            cache.build(path, key, files, cfg.vocab_size, cfg.val_fraction)
+            announce_build(files, cfg.vocab_size, path)
+            manifest = cache.build(path, key, files, cfg.vocab_size, cfg.val_fraction)
+            log.info("data: built in %.1f s; later runs with this corpus and vocabulary load it in a second",
+                     manifest["build_s"])
             built.append(True)
 
     _everywhere(ctx.is_main, build_if_missing, ctx.rank)
