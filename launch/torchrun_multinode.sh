@@ -19,7 +19,11 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 # Restarted workers must not read dead peers' addresses from the agent's shared store (pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
-exec torchrun \
+# The repository's environment (`make setup`) when there is one, else torchrun on PATH.
+VENV_TORCHRUN="$(dirname "$0")/../.venv/bin/torchrun"
+[ -x "$VENV_TORCHRUN" ] && TORCHRUN=$VENV_TORCHRUN || TORCHRUN=torchrun
+
+exec "$TORCHRUN" \
   --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RUN_ID" \
   --max-restarts="${MAX_RESTARTS:-3}" \
