@@ -15,6 +15,10 @@ What is converted automatically (``plan=None``), and why nothing else is:
 * ``nn.Embedding`` with nn.Embedding's default options, unless its weight is tied to another
   module: the output of a `VocabParallelEmbedding` is the full embedding, a drop-in replacement.
 
+A model of Hugging Face ``transformers`` that carries a tensor-parallel plan (``config.base_model_tp_plan``
+and the class's ``_tp_plan``) is converted by that plan instead (`bigdense.hf_plan`). Its ``Conv1D``
+layers (GPT-2) convert as column/row keeping their transposed weight layout (`ColumnParallelConv1D`).
+
 Never automatic: a lone ``nn.Linear`` (a column layer would leave its output sharded, a gathered one
 only adds communication); ``nn.MultiheadAttention``'s ``out_proj`` (it is applied inside
 ``F.multi_head_attention_forward``, which reads ``out_proj.weight`` whole -- refused even in a
@@ -25,14 +29,17 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import re
 from typing import Mapping, Optional, Union
 
 import torch.nn as nn
 
+from .hf_plan import hf_tp_plan, translate_hf_plan
 from .layers import (
-    ColumnParallelLinear, ParallelClassifierHead, RowParallelLinear, ShardedDropout, VocabParallelEmbedding,
-    tie_weights,
+    ColumnParallelConv1D, ColumnParallelLinear, ParallelClassifierHead, RowParallelConv1D, RowParallelLinear,
+    ShardedDropout, VocabParallelEmbedding, tie_weights,
 )
+from .layers.conv1d import is_conv1d
 from .parallel.context import resolve_tp_group
 from .parallel.sharding import shard_range
 
@@ -42,6 +49,7 @@ STYLES = {
     "column": ColumnParallelLinear, "row": RowParallelLinear, "vocab": VocabParallelEmbedding,
     "head": ParallelClassifierHead,
 }
+CONV1D_STYLES = {"column": ColumnParallelConv1D, "row": RowParallelConv1D}  # Hugging Face's transposed Linear
 _ELEMENTWISE = (
     nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU,
     nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.Identity, nn.Dropout,
@@ -114,13 +122,21 @@ def _normalise(value: PlanValue, pattern: str) -> tuple[str, dict]:
     return style, options
 
 
-def _resolve_plan(model: nn.Module, plan: Mapping[str, PlanValue]) -> dict[str, tuple]:
+def _resolve_plan(model: nn.Module, plan: Mapping[str, PlanValue], hf: bool = False) -> dict[str, tuple]:
+    """``{module name: (style, options)}``. A Hugging Face plan (``hf``) is matched as transformers
+    matches it (``*`` stands for a layer number), and a pattern matching no module is skipped (a
+    model's own plan may name modules some variants lack); otherwise that is an error."""
     names = [n for n, _ in model.named_modules()]
     resolved: dict[str, tuple] = {}
     for pattern, value in plan.items():
         style, options = _normalise(value, pattern)
-        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
+        if hf:
+            hits = [n for n in names if re.sub(r"\d+", "*", n) == pattern]
+        else:
+            hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits and hf:
+            logger.info("parallelize: plan pattern %r matches no module of this model", pattern)
+        elif not hits:
             raise ValueError(
                 f"parallelize: plan pattern {pattern!r} matches no module (module names look like {names[1:4]})"
             )
@@ -134,6 +150,8 @@ def _resolve_plan(model: nn.Module, plan: Mapping[str, PlanValue]) -> dict[str, 
 def _check_convertible(model: nn.Module, name: str, style: str) -> None:
     module = model.get_submodule(name)
     want = nn.Embedding if style == "vocab" else nn.Linear
+    if style in CONV1D_STYLES and is_conv1d(module):
+        return
     if not isinstance(module, want) or isinstance(module, tuple(STYLES.values())):
         raise TypeError(
             f"parallelize: {name!r} is a {type(module).__name__}; style {style!r} converts an {want.__name__}"
@@ -148,10 +166,38 @@ def _check_convertible(model: nn.Module, name: str, style: str) -> None:
 def plan_parallelism(model: nn.Module, plan: Optional[Mapping[str, PlanValue]] = None) -> dict[str, str]:
     """What `parallelize` would convert: ``{module name: style}`` (nothing is changed); raises what
     `parallelize` would raise for a plan naming a module it cannot convert."""
-    resolved = _auto_plan(model)[0] if plan is None else _resolve_plan(model, plan)
+    resolved = _choose_plan(model, plan)[0]
     for name, (style, _) in resolved.items():
         _check_convertible(model, name, style)
     return {name: style for name, (style, _) in resolved.items()}
+
+
+def _choose_plan(model: nn.Module, plan: Optional[Mapping[str, PlanValue]]) -> tuple[dict[str, tuple], str]:
+    """The resolved plan and where it came from: the one given, the model's own Hugging Face plan,
+    or the automatic patterns."""
+    if plan is not None:
+        return _resolve_plan(model, plan), "the plan given"
+    hf = hf_tp_plan(model)
+    if hf is not None:
+        return _without_tied(model, _resolve_plan(model, translate_hf_plan(hf), hf=True)), \
+            "the model's Hugging Face tensor-parallel plan"
+    resolved, skipped = _auto_plan(model)
+    for name, why in skipped.items():
+        logger.info("parallelize: %s stays dense: %s", name or "<root>", why)
+    return resolved, "the automatic plan"
+
+
+def _without_tied(model: nn.Module, resolved: dict[str, tuple]) -> dict[str, tuple]:
+    """A Hugging Face plan shards a tied embedding and output layer as embedding + gathered column;
+    bigdense ties a vocab embedding to a `ParallelClassifierHead` only, so such a pair stays dense."""
+    shared = _shared_weights(model)
+    kept = dict(resolved)
+    for name in resolved:
+        partners = shared.get(id(getattr(model.get_submodule(name), "weight", None)), [])
+        if partners:
+            logger.info("parallelize: %s stays dense: its weight is tied to %s", name, [p for p in partners if p != name])
+            kept.pop(name, None)
+    return kept
 
 
 def parallelize(model: nn.Module, plan: Optional[Mapping[str, PlanValue]] = None, tp_group=None) -> nn.Module:
@@ -166,16 +212,18 @@ def parallelize(model: nn.Module, plan: Optional[Mapping[str, PlanValue]] = None
     docstring). ``nn.Dropout`` between a converted column/row pair becomes `ShardedDropout`.
     A vocab embedding and a head whose weights were tied stay tied.
 
+    With ``plan=None`` a Hugging Face model that carries a tensor-parallel plan is converted by it:
+    ``colwise`` -> column, ``rowwise`` -> row, ``colwise_gather_output`` -> column with
+    ``gather_output=True``, ``embedding_rowwise`` -> vocab; any other style is refused. A ``Conv1D``
+    (GPT-2) converts as column/row with its own weight layout.
+
     The conversion is logged (logger ``bigdense.parallelize``) and recorded as
-    ``model.bd_parallel_plan`` (``{name: style}``); `plan_parallelism` previews it.
+    ``model.bd_parallel_plan`` (``{name: style}``) and ``model.bd_parallel_plan_source`` (which
+    plan was used); `plan_parallelism` previews it.
     """
     tp_group = resolve_tp_group(tp_group)
-    if plan is None:
-        resolved, skipped = _auto_plan(model)
-        for name, why in skipped.items():
-            logger.info("parallelize: %s stays dense: %s", name or "<root>", why)
-    else:
-        resolved = _resolve_plan(model, plan)
+    resolved, source = _choose_plan(model, plan)
+    logger.info("parallelize: using %s", source)
     for name, (style, _) in resolved.items():
         _check_convertible(model, name, style)
     shared = _shared_weights(model)
@@ -197,7 +245,8 @@ def parallelize(model: nn.Module, plan: Optional[Mapping[str, PlanValue]] = None
 
     converted = {}
     for name, (style, options) in resolved.items():
-        new = STYLES[style].from_dense(originals[name], tp_group=tp_group, **options)
+        classes = CONV1D_STYLES if is_conv1d(originals[name]) else STYLES
+        new = classes[style].from_dense(originals[name], tp_group=tp_group, **options)
         converted[name] = new
         if name == "":
             model = new
@@ -209,6 +258,7 @@ def parallelize(model: nn.Module, plan: Optional[Mapping[str, PlanValue]] = None
         tie_weights(converted[emb_name], converted[head_name])
     _adapt_containers(model)
     model.bd_parallel_plan = {name: style for name, (style, _) in resolved.items()}
+    model.bd_parallel_plan_source = source
     return model
 
 

@@ -1,5 +1,6 @@
 """Tensor-parallel layers and their initialisers."""
 from .base import TensorParallelModule, materialize
+from .conv1d import ColumnParallelConv1D, RowParallelConv1D
 from .dropout import ShardedDropout
 from .embedding import VocabParallelEmbedding
 from .head import ParallelClassifierHead, tie_weights
@@ -11,6 +12,7 @@ from .norm import LayerNorm, RMSNorm
 
 __all__ = [
     "TensorParallelModule", "materialize", "Initializer", "INITIALIZERS", "ColumnParallelLinear", "RowParallelLinear",
+    "ColumnParallelConv1D", "RowParallelConv1D",
     "ParallelMLP", "VocabParallelEmbedding", "ParallelClassifierHead", "tie_weights", "ShardedDropout", "low_rank",
     "low_rank_like", "LayerNorm", "RMSNorm",
 ]

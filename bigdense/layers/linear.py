@@ -61,6 +61,10 @@ class _ParallelLinear(TensorParallelModule):
         if self.weight.device.type != "meta":
             self.reset_parameters()
 
+    def _linear_weight(self) -> torch.Tensor:
+        """This rank's weight as ``F.linear`` takes it, (out, in); a subclass may store it otherwise."""
+        return self.weight
+
     def _bias_len(self) -> int:
         return self.partition_size if self._split_dim == 0 else self.out_features
 
@@ -176,7 +180,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
         what = "this rank's share of the sequence" if self.sequence_parallel else "replicated on every TP rank"
         self._check_input(x, self.in_features, f"in_features, {what}", self.weight)
-        (y,) = column_parallel_linear(x, [(self.weight, self.bias)], self._comm(x, seq_len))
+        (y,) = column_parallel_linear(x, [(self._linear_weight(), self.bias)], self._comm(x, seq_len))
         if self.gather_output:
             y = gather_from_tp(y, self.tp_group, self.partition_sizes)
         return y
@@ -229,7 +233,7 @@ class RowParallelLinear(_ParallelLinear):
             x = scatter_to_tp(x, self.tp_group, self.partition_sizes)
         if self.sequence_parallel and x.dim() < 2:
             raise ValueError(f"{self._where()}: sequence_parallel=True expects input (*, S, in), got {tuple(x.shape)}")
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self._linear_weight())
         if not self.sequence_parallel:
             y, bias = reduce_from_tp(y, self.tp_group), self.bias
         else:

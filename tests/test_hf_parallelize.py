@@ -1,0 +1,135 @@
+"""Hugging Face models converted by `bd.parallelize` with the plans they carry, compared with the
+unconverted model: tiny Llama (grouped-query attention, its own plan), BERT (a plan set on its
+config), GPT-2 (``Conv1D`` layers, column/row with their transposed layout). Built from configs,
+nothing downloaded.
+
+Tolerance: fp32 everywhere. TP changes only the order of sums (row-parallel partial products
+all-reduced, vocab-parallel lookups summed), ~1e-7 relative per op; through 2 layers, softmax and
+3 AdamW steps at lr 1e-3 the observed differences stay below 1e-6, so 2e-5 (rel and abs) is far
+from noise yet catches any wrong slice (which moves outputs by O(1)).
+"""
+import copy
+import logging
+
+import pytest
+import torch
+
+import bigdense as bd
+from bigdense.testing import run_ranks
+from helpers import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+TOL = dict(rtol=2e-5, atol=2e-5)
+NO_DROPOUT = dict(attention_dropout=0.0)
+
+
+def tiny_llama():
+    # GQA: 4 query heads, 2 key/value heads; vocabulary 61 is uneven over 2 ranks.
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+BERT_PLAN = {  # what a user sets on a config that ships none (Megatron's split of a BERT layer)
+    "encoder.layer.*.attention.self.query": "colwise", "encoder.layer.*.attention.self.key": "colwise",
+    "encoder.layer.*.attention.self.value": "colwise", "encoder.layer.*.attention.output.dense": "rowwise",
+    "encoder.layer.*.intermediate.dense": "colwise", "encoder.layer.*.output.dense": "rowwise",
+}
+
+
+def tiny_bert():
+    cfg = transformers.BertConfig(vocab_size=61, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    cfg.base_model_tp_plan = BERT_PLAN
+    return transformers.BertForMaskedLM(cfg)
+
+
+def tiny_gpt2():
+    cfg = transformers.GPT2Config(vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg.base_model_tp_plan = {"h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"}
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+BUILDERS = {"llama": tiny_llama, "bert": tiny_bert, "gpt2": tiny_gpt2}
+EXPECTED = {  # module -> class after conversion, on top of what the plan converts
+    "llama": {"lm_head": "ColumnParallelLinear", "model.embed_tokens": "VocabParallelEmbedding",
+              "model.layers.1.self_attn.k_proj": "ColumnParallelLinear", "model.layers.0.mlp.down_proj": "RowParallelLinear"},
+    "bert": {"bert.encoder.layer.0.attention.self.query": "ColumnParallelLinear",
+             "bert.encoder.layer.1.output.dense": "RowParallelLinear"},
+    "gpt2": {"transformer.h.0.mlp.c_fc": "ColumnParallelConv1D", "transformer.h.1.mlp.c_proj": "RowParallelConv1D"},
+}
+
+
+def _compare_with_unconverted(kind):
+    ctx = bd.init_parallel(tp=2)
+    torch.manual_seed(0)
+    reference = BUILDERS[kind]()
+    model = bd.parallelize(copy.deepcopy(reference))  # plan=None: the model's own plan
+    assert model.bd_parallel_plan_source == "the model's Hugging Face tensor-parallel plan"
+    for name, cls in EXPECTED[kind].items():
+        assert type(model.get_submodule(name)).__name__ == cls, (name, type(model.get_submodule(name)))
+    ids = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(1))
+    kwargs = {"labels": ids}
+    opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(3):
+        ref_out, out = reference(input_ids=ids, **kwargs), model(input_ids=ids, **kwargs)
+        assert_close(out.logits, ref_out.logits, f"{kind} logits at step {step}", **TOL)
+        assert_close(out.loss, ref_out.loss, f"{kind} loss at step {step}", **TOL)
+        for m, o, loss in ((reference, opt_ref, ref_out.loss), (model, opt, out.loss)):
+            loss.backward()
+            o.step()
+            o.zero_grad()
+    return ctx.tp_rank
+
+
+@pytest.mark.parametrize("kind", sorted(BUILDERS))
+def test_hf_model_converted_by_its_plan_matches_the_unconverted_model(kind):
+    assert run_ranks(_compare_with_unconverted, 2, kind, timeout=180) == [0, 1]
+
+
+def test_the_plan_used_is_reported(caplog):
+    torch.manual_seed(0)
+    model = tiny_llama()
+    assert bd.plan_parallelism(model)["model.layers.0.self_attn.o_proj"] == "row"
+    with caplog.at_level(logging.INFO, logger="bigdense.parallelize"):
+        bd.parallelize(model)
+    assert "using the model's Hugging Face tensor-parallel plan" in caplog.text
+
+
+def test_unsupported_hf_styles_are_refused_by_name():
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=44, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    cfg.base_model_tp_plan = {**cfg.base_model_tp_plan, "layers.*.mlp.gate_up_proj": "packed_colwise"}
+    model = transformers.LlamaModel(cfg)
+    with pytest.raises(ValueError, match=r"does not implement: \{'layers.\*.mlp.gate_up_proj': 'packed_colwise'\}"):
+        bd.parallelize(model)
+    assert type(model.layers[0].mlp.up_proj) is torch.nn.Linear  # refused before anything changed
+
+
+def test_gpt2_conv1d_in_a_plan_keeps_its_layout_and_names():
+    torch.manual_seed(0)
+    reference = tiny_gpt2()
+    model = bd.parallelize(copy.deepcopy(reference), {"transformer.h.*.mlp.c_fc": "column",
+                                                      "transformer.h.*.mlp.c_proj": "row"})
+    layer = model.transformer.h[0].mlp.c_fc
+    assert isinstance(layer, bd.ColumnParallelConv1D) and layer.weight.shape == (32, 128)  # Conv1D layout kept
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    ids = torch.randint(0, 61, (2, 8))
+    assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, "gpt2 logits at tp=1", **TOL)
+
+
+def test_a_tied_embedding_and_head_in_an_hf_plan_stay_dense(caplog):
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=44, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(cfg)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with caplog.at_level(logging.INFO, logger="bigdense.parallelize"):
+        bd.parallelize(model)
+    assert type(model.lm_head) is torch.nn.Linear and type(model.model.embed_tokens) is torch.nn.Embedding
+    assert "lm_head stays dense: its weight is tied to ['model.embed_tokens']" in caplog.text
+    assert isinstance(model.model.layers[0].mlp.down_proj, bd.RowParallelLinear)
