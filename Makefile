@@ -6,26 +6,28 @@
 # brings is pip's business: this project's machines hold a local CPU wheel of 2.13.0; elsewhere PyPI
 # serves its default build for the platform. To choose, run `make TORCH_VERSION=...` on a fresh
 # .venv (an existing torch there is kept), or install bigdense into an environment that already
-# has the torch you want: `pip install -e .[dev]`.
+# has the torch you want: `pip install -e .[dev,test]`.
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 ARGS ?=
+# A run directory to resume or extend (trainer.run_dir); empty: a new one per launch.
+RUN ?=
 
 .PHONY: setup train test test-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev,test]"
 	touch $@
 
 setup: $(VENV)/.installed
 
 train: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/train.py $(ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/train.py $(if $(RUN),trainer.run_dir=$(RUN)) $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)

@@ -136,6 +136,10 @@ class TrainerConfig:
     eval_batches: int = 20
     save_interval: int = 100  # 0: save only at the end
     resume: bool = True  # continue from checkpoints/latest in the run directory if it exists
+    # The run directory (metrics, logs, checkpoints/). null: a new one per launch, outputs/<date>/<time>
+    # or outputs/torchrun-<rendezvous id>. Name one to resume a run, or to extend it with a larger
+    # max_steps (the learning-rate schedule then follows the new max_steps; the change is logged).
+    run_dir: Optional[str] = None
     log_rms: bool = False  # also log the RMS of every dense layer's weights, activations, gradients
     progress_bar: bool = True
     plot: bool = True  # write loss_curve.png at the end
@@ -252,8 +256,9 @@ def check_override_keys(overrides: Iterable[str]) -> None:
             raise unknown_key_error(key)
 
 
-def run_dir_name() -> str:
-    """The run directory's name, the same on every rank of one launch and across its restarts.
+def run_dir_name(run_dir: Optional[str] = None) -> str:
+    """The run directory: ``trainer.run_dir`` when set, else a name under ``outputs/`` that is the
+    same on every rank of one launch and across its restarts.
 
     Under torchrun it is the whole rendezvous id, and nothing else (``--standalone`` makes a fresh
     one per launch; restarts, requeues and relaunches with the same ``--rdzv-id`` keep it, even past
@@ -262,10 +267,12 @@ def run_dir_name() -> str:
     import re
     import time
 
+    if run_dir:
+        return str(run_dir)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     if run_id != "none":
-        return "torchrun-" + re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
-    return time.strftime("%Y-%m-%d/%H-%M-%S")
+        return "outputs/torchrun-" + re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
+    return time.strftime("outputs/%Y-%m-%d/%H-%M-%S")
 
 
 def register_configs() -> None:

@@ -153,14 +153,18 @@ def train(cfg) -> None:
              counts["total"] / 1e6, counts["head"] / 1e6, ctx.tp_size, ctx.dp_size, ctx.device,
              cfg.engine.kind, cfg.precision.dtype, cfg.recompute.mode)
 
-    # 4. Resume from this run directory's last complete checkpoint, if any; else start from
-    #    trainer.init_from's weights, if given.
+    # 4. Resume from this run directory's last complete checkpoint, if any (a larger max_steps
+    #    extends the run); else start from trainer.init_from's weights, if given.
     ckpts = RunCheckpoints(run.checkpoint_dir, engine, tr, cfg)
     start_step, data_offset = 0, 0
     resumed = ckpts.load_latest() if tr.resume else None
     if resumed is not None:
         start_step, data_offset = resumed
-        log.info("resumed from %s at step %d", run.checkpoint_dir / "latest", start_step)
+        log.info("resumed from %s at step %d of %d", run.checkpoint_dir / "latest", start_step, tr.max_steps)
+        if start_step >= tr.max_steps:
+            log.warning("nothing to train: %s is at step %d and trainer.max_steps=%d; extend with a larger "
+                        "trainer.max_steps, or start fresh in another trainer.run_dir", run.checkpoint_dir / "latest",
+                        start_step, tr.max_steps)
     elif tr.init_from:  # e.g. a checkpoint of `python -m bigdense.compress`, to fine-tune
         meta = bd.load_checkpoint(tr.init_from, model, load_rng=False)
         log.info("model weights from %s (saved at step %s)", tr.init_from, meta.step)

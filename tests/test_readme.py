@@ -65,6 +65,9 @@ def check_resolves(words: list[str]) -> None:
     if prog == "make":
         targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M)
         assert all(a in targets for a in args if "=" not in a), f"{cmd}: not a make target of {targets}"
+        variables = dict(a.split("=", 1) for a in args if "=" in a)
+        assert set(variables) <= set(re.findall(r"^(\w+) \?=", (ROOT / "Makefile").read_text(), re.M)), cmd
+        check_override_keys(shlex.split(variables.get("ARGS", "")))
         return
     if prog.startswith(".venv/bin/"):
         assert venv_bin(prog[len(".venv/bin/"):]).exists(), f"{cmd}: {prog} is not installed by `make setup`"

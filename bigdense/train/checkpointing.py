@@ -17,6 +17,7 @@ from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..checkpoint.format import LATEST, read_manifest, resolve_checkpoint
 from ..checkpoint.verify import VERIFY_MODES
 from ..validation import check_choice, check_positive
+from .schedule import follow_config
 from .faults import BadSteps, TrainingStopped, diagnose_collective_failure, is_collective_failure
 
 log = logging.getLogger("bigdense")
@@ -84,6 +85,11 @@ class RunCheckpoints:
         if not (self.dir / LATEST).exists():
             return None
         info = load_checkpoint(self.dir / LATEST, **self.engine.checkpoint_state(), verify=self.tr.checkpoint_verify)
+        if self.config is not None:  # a larger max_steps extends the run over a schedule of the new length
+            changes = follow_config(self.engine.scheduler, self.config.optim, self.tr.max_steps)
+            if changes:
+                log.warning("the learning-rate schedule changed at resume (%s): from step %d it follows the config",
+                            "; ".join(changes), info.step + 1)
         return info.step, (info.extra or {}).get("data_offset", 0)
 
     def rollback(self, bad: BadSteps) -> tuple[int, int]:

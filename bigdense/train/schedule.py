@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -57,6 +57,41 @@ def check_schedule(optim_cfg) -> None:
     if not 0.0 <= float(optim_cfg.min_lr) <= lr:
         raise ConfigError(f"optim.min_lr must be in [0, optim.lr={lr}], got {optim_cfg.min_lr}")
     check_positive("optim.warmup_steps", optim_cfg.warmup_steps, allow_zero=True)
+
+
+# The config key each setting of the schedule comes from, for the message of a changed schedule.
+_SOURCE_KEYS = {"warmup_steps": "optim.warmup_steps", "total_steps": "trainer.max_steps",
+                "min_ratio": "optim.min_lr / optim.lr", "schedule": "optim.schedule"}
+
+
+def follow_config(scheduler: torch.optim.lr_scheduler.LambdaLR, optim_cfg, max_steps: int) -> list[str]:
+    """Make a schedule just restored from a checkpoint follow the config again; return the changes.
+
+    A checkpoint stores the schedule's settings, so a run resumed with a larger ``max_steps`` (an
+    extension) would otherwise keep decaying to the old end and train its new steps at the floor
+    learning rate. The settings and base LR are set from the config, the step count is kept, and
+    the optimizer's LR is set for the next step. Returns ``["trainer.max_steps: 20 -> 40", ...]``.
+    """
+    fresh = build_lr_schedule(torch.optim.SGD([torch.zeros(1)], lr=float(optim_cfg.lr)), optim_cfg, max_steps)
+    target = fresh.lr_lambdas[0]
+    changes = []
+    for lam in scheduler.lr_lambdas:
+        for f in fields(WarmupCosine) if isinstance(lam, WarmupCosine) else ():
+            old, new = getattr(lam, f.name), getattr(target, f.name)
+            if old != new:
+                changes.append(f"{_SOURCE_KEYS[f.name]}: {old:g} -> {new:g}" if f.name != "schedule"
+                               else f"{_SOURCE_KEYS[f.name]}: {old} -> {new}")
+                setattr(lam, f.name, new)
+    lr = float(optim_cfg.lr)
+    if any(base != lr for base in scheduler.base_lrs):
+        changes.append(f"optim.lr: {scheduler.base_lrs[0]:g} -> {lr:g}")
+        scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+    changes = list(dict.fromkeys(changes))  # one line per setting, not per parameter group
+    for group, base, lam in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * lam(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    return changes
 
 
 def build_lr_schedule(optimizer: torch.optim.Optimizer, optim_cfg, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
