@@ -54,11 +54,7 @@ class _Conv1DLayout:
             raise ValueError(f"{self._where()}: full Conv1D weight must have shape "
                              f"{(self.in_features, self.out_features)}, got {tuple(weight.shape)}")
         self.weight.copy_(self.shard_spec("weight").slice_of(weight))
-        if (bias is None) != (self.bias is None):
-            raise ValueError(f"{self._where()}: bias is {'missing' if bias is None else 'unexpected'}")
-        if bias is not None:
-            spec = self.shard_spec("bias")
-            self.bias.copy_(bias if spec is None else spec.slice_of(bias))
+        self._load_dense_bias_(bias)
 
     @torch.no_grad()
     def to_dense(self) -> nn.Linear:

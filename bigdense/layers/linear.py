@@ -124,6 +124,9 @@ class _ParallelLinear(TensorParallelModule):
                 f"got {tuple(weight.shape)}"
             )
         self.weight.copy_(self.shard_spec("weight").slice_of(weight))
+        self._load_dense_bias_(bias)
+
+    def _load_dense_bias_(self, bias: Optional[torch.Tensor]) -> None:
         if (bias is None) != (self.bias is None):
             raise ValueError(f"{self._where()}: bias is {'missing' if bias is None else 'unexpected'}")
         if bias is not None:
