@@ -105,12 +105,16 @@ class HeldStderr:
         return self
 
     def release(self) -> None:
-        sys.stderr = self.real
+        """The job started: what was held (warnings) is written out, stderr is stderr again."""
+        if sys.stderr is self.held:
+            sys.stderr = self.real
+            self.real.write(self.held.getvalue())
 
     def __exit__(self, kind, err, tb) -> None:
-        self.release()
-        if kind is SystemExit and self.held is not None and self.held.getvalue():
+        if kind is SystemExit and err.code and sys.stderr is self.held and self.held.getvalue():
+            sys.stderr = self.real
             stop(self.held.getvalue().rstrip(), err.code)
+        self.release()
 
 
 HOLD = HeldStderr()
