@@ -12,6 +12,7 @@ import copy
 import logging
 
 import pytest
+import safetensors.torch
 import torch
 
 import bigdense as bd
@@ -133,3 +134,23 @@ def test_a_tied_embedding_and_head_in_an_hf_plan_stay_dense(caplog):
     assert type(model.lm_head) is torch.nn.Linear and type(model.model.embed_tokens) is torch.nn.Embedding
     assert "lm_head stays dense: its weight is tied to ['model.embed_tokens']" in caplog.text
     assert isinstance(model.model.layers[0].mlp.down_proj, bd.RowParallelLinear)
+
+
+def _save_converted_gpt2(path):
+    bd.init_parallel(tp=2)
+    torch.manual_seed(0)
+    model = bd.parallelize(tiny_gpt2())
+    bd.save_checkpoint(path, model, step=1)
+
+
+def test_converted_gpt2_checkpoint_exports_to_the_plain_model(tmp_path):
+    """Conv1D shards are saved in Conv1D layout: the export loads into an unconverted GPT-2."""
+    run_ranks(_save_converted_gpt2, 2, str(tmp_path / "ckpt" / "step_1"), timeout=180)
+    out = bd.export_dense(tmp_path / "ckpt" / "latest", tmp_path / "gpt2.safetensors")
+    torch.manual_seed(0)
+    reference = tiny_gpt2()  # the weights the ranks converted
+    torch.manual_seed(1)
+    plain = tiny_gpt2()
+    safetensors.torch.load_model(plain, out)  # GPT-2's tied lm_head is stored once
+    for name, value in reference.state_dict().items():
+        assert torch.equal(plain.state_dict()[name], value), name
