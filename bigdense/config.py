@@ -2,8 +2,11 @@
 
 ``conf/<group>/<option>.yaml`` files fill these schemas: ``conf/config.yaml`` starts from
 `TrainConfig` (registered as ``_train_schema``), whose fields are the groups' dataclasses, so a
-misspelt key or a wrong type fails when Hydra composes the config, naming the key. `validate` then checks what a schema cannot (ranges, combinations, the
-machine) and raises `ConfigError` naming the key, before any work starts.
+wrong type fails when Hydra composes the config, naming the key. A key no dataclass defines --
+misspelt on the command line (`check_override_keys`, before Hydra), appended with ``+`` or written
+in an option file (`check_known_keys`) -- stops the run naming the closest valid key. `validate`
+then checks what a schema cannot (ranges, combinations, the machine) and raises `ConfigError`
+naming the key, before any work starts.
 """
 from __future__ import annotations
 
@@ -226,6 +229,8 @@ def unknown_key_error(key: str) -> ConfigError:
 def check_known_keys(cfg) -> None:
     """Stop on any key of the composed config that no schema defines (a ``+trainer.max_step=10``
     Hydra accepted, or a typo in an option file), naming the closest valid key."""
+    if is_dataclass(cfg):  # a TrainConfig object holds its schema's keys only
+        return
     valid = schema_keys()
 
     def walk(node, prefix: str) -> None:

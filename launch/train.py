@@ -9,7 +9,6 @@
 Options: conf/ (one folder per group), documented in bigdense/config.py. Everything a run writes
 goes to its Hydra run directory: metrics.jsonl, loss_curve.png, checkpoints/, train_rank*.log.
 """
-import io
 import logging
 import math
 import os
@@ -30,7 +29,7 @@ from bigdense.train.checkpointing import RunCheckpoints, train_step_or_diagnose
 from bigdense.train.compile import compile_blocks
 from bigdense.train.flops import flops_per_token, mfu, peak_tflops
 from bigdense.train.faults import BadSteps, CollectiveFailure, TrainingStopped
-from bigdense.train.run_setup import build_gpt, launcher_world, start_run
+from bigdense.train.run_setup import HeldStderr, build_gpt, start_run, stop
 from bigdense.train.metrics import DenseLayerStats, MetricsLog, peak_memory_gb, plot_loss_curve
 
 log = logging.getLogger("bigdense")
@@ -76,48 +75,7 @@ def evaluate(engine, data, ctx, n_batches: int) -> float:
     return sum(losses) / len(losses)
 
 
-def stop(message: str, code: int):
-    """Print a message that every rank meets alike (a bad config) once, then exit with ``code``.
-
-    Rank 0 prints at once. The other ranks leave it to rank 0: torchrun stops every rank once one
-    exits, so they are normally stopped while they wait, silently. One still here after that,
-    rank 0 did not meet the error (a check that depends on the machine): it says it.
-    """
-    rank = launcher_world()[0]
-    if rank != 0:
-        time.sleep(10)
-        message = message.replace("bigdense: bad config: ", f"bigdense: bad config (rank {rank}): ", 1)
-    print(message, file=sys.stderr, flush=True)
-    sys.exit(code)
-
-
-class HeldStderr:
-    """On ranks other than 0, holds what Hydra writes to stderr until the job starts, so its
-    composition errors go through `stop` (printed once) rather than once per rank."""
-
-    def __init__(self):
-        self.real = sys.stderr
-        self.held = io.StringIO() if launcher_world()[0] != 0 else None
-
-    def __enter__(self):
-        if self.held is not None:
-            sys.stderr = self.held
-        return self
-
-    def release(self) -> None:
-        """The job started: what was held (warnings) is written out, stderr is stderr again."""
-        if sys.stderr is self.held:
-            sys.stderr = self.real
-            self.real.write(self.held.getvalue())
-
-    def __exit__(self, kind, err, tb) -> None:
-        if kind is SystemExit and err.code and sys.stderr is self.held and self.held.getvalue():
-            sys.stderr = self.real
-            stop(self.held.getvalue().rstrip(), err.code)
-        self.release()
-
-
-HOLD = HeldStderr()
+HOLD = HeldStderr()  # Hydra's own errors printed once under torchrun (by rank 0), like bigdense's
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -1,10 +1,14 @@
 """Run setup and model construction for `launch/train.py`: starting a run (config checks, mesh,
-seeds, run directory) and building the reference GPT from the ``model`` config group."""
+seeds, run directory), reporting a bad config once per launch (`stop`, `HeldStderr`), and
+building the reference GPT from the ``model`` config group."""
 from __future__ import annotations
 
+import io
 import logging
 import os
 import random
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +36,47 @@ class Run:
 def launcher_world() -> tuple[int, int]:
     """(rank, world size) as the launcher set them, before any process group exists."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def stop(message: str, code: int):
+    """Print a message that every rank meets alike (a bad config) once, then exit with ``code``.
+
+    Rank 0 prints at once. The other ranks leave it to rank 0: torchrun stops every rank once one
+    exits, so they are normally stopped while they wait, silently. One still here after that,
+    rank 0 did not meet the error (a check that depends on the machine): it says it.
+    """
+    rank = launcher_world()[0]
+    if rank != 0:
+        time.sleep(10)
+        message = message.replace("bigdense: bad config: ", f"bigdense: bad config (rank {rank}): ", 1)
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+class HeldStderr:
+    """On ranks other than 0, holds what Hydra writes to stderr until the job starts, so its
+    composition errors go through `stop` (printed once) rather than once per rank."""
+
+    def __init__(self):
+        self.real = sys.stderr
+        self.held = io.StringIO() if launcher_world()[0] != 0 else None
+
+    def __enter__(self):
+        if self.held is not None:
+            sys.stderr = self.held
+        return self
+
+    def release(self) -> None:
+        """The job started: what was held (warnings) is written out, stderr is stderr again."""
+        if sys.stderr is self.held:
+            sys.stderr = self.real
+            self.real.write(self.held.getvalue())
+
+    def __exit__(self, kind, err, tb) -> None:
+        if kind is SystemExit and err.code and sys.stderr is self.held and self.held.getvalue():
+            sys.stderr = self.real
+            stop(self.held.getvalue().rstrip(), err.code)
+        self.release()
 
 
 def start_run(cfg, hydra_output_dir: str) -> Run:
