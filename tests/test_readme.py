@@ -145,11 +145,12 @@ def run_example(prefix, example, tmp_path):
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs_alone(example, tmp_path):
-    assert "tp=1:" in run_example([sys.executable], example, tmp_path)
+    out = run_example([sys.executable], example, tmp_path)
+    assert "tp=1:" in out or "torchrun" not in example.read_text(), out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+@pytest.mark.parametrize("example", [p for p in EXAMPLES if "torchrun" in p.read_text()], ids=lambda p: p.name)
 def test_example_runs_under_torchrun(example, tmp_path):
     out = run_example([str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2"], example, tmp_path)
     assert "tp=2:" in out
