@@ -256,8 +256,8 @@ def check_override_keys(overrides: Iterable[str]) -> None:
         return
     valid = schema_keys()
     for override in parsed:
-        key = override.key_or_group
-        if override.package is None and key.split(".")[0] != "hydra" and key not in valid:
+        key = override.key_or_group  # a group path with "/" (hydra/job_logging) is Hydra's to check
+        if override.package is None and "/" not in key and key.split(".")[0] != "hydra" and key not in valid:
             raise unknown_key_error(key)
 
 

@@ -1,13 +1,15 @@
-"""Train the reference GPT with tensor (and data) parallelism.
+"""Train the reference GPT with tensor (and data) parallelism. From the repository root, after
+`make setup` (or `make train` / `make test`) created .venv:
 
-    torchrun --standalone --nproc_per_node=2 launch/train.py              # the main job (`make train`)
-    torchrun --standalone --nproc_per_node=4 launch/train.py parallel.tp=2 parallel.dp=2 precision=bf16 model=gpt_small
-    deepspeed --num_gpus=8 launch/train.py engine=deepspeed engine.zero_stage=1 parallel.tp=4
-    python launch/train.py trainer.max_steps=50                           # one process, no process group
-    python launch/train.py --multirun parallel.tp=1 optim.lr=1e-3,3e-4    # a Hydra sweep
+    .venv/bin/torchrun --standalone --nproc_per_node=2 launch/train.py       # the main job (`make train`)
+    .venv/bin/torchrun --standalone --nproc_per_node=4 launch/train.py parallel.tp=2 parallel.dp=2 precision=bf16
+    .venv/bin/python launch/train.py trainer.max_steps=50                    # one process, no process group
+    .venv/bin/python launch/train.py trainer.run_dir=outputs/a trainer.max_steps=100   # resume / extend outputs/a
+    .venv/bin/python launch/train.py --multirun parallel.tp=1 optim.lr=1e-3,3e-4       # a Hydra sweep
 
 Options: conf/ (one folder per group), documented in bigdense/config.py. Everything a run writes
-goes to its Hydra run directory: metrics.jsonl, loss_curve.png, checkpoints/, train_rank*.log.
+goes to its run directory (trainer.run_dir, or a new one under outputs/): metrics.jsonl,
+loss_curve.png, checkpoints/, train_rank*.log.
 """
 import logging
 import math

@@ -50,7 +50,7 @@ def test_composed_config_with_an_appended_typo_fails_validation(typo, suggestion
 
 def test_valid_overrides_pass():
     check_override_keys(["model=gpt_small", "trainer.max_steps=3", "+trainer.max_steps=3", "optim.lr=1e-3,3e-4",
-                         "hydra.run.dir=/tmp/x", "--multirun", "~trainer.plot", "optim.betas=[0.9,0.99]"])
+                         "hydra.run.dir=/tmp/x", "hydra/job_logging=disabled", "--multirun", "~trainer.plot", "optim.betas=[0.9,0.99]"])
     check_known_keys(compose_with("model=gpt_swiglu", "trainer.max_steps=3"))
 
 
