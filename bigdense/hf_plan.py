@@ -9,6 +9,7 @@ use it, so a plan is never applied in part. transformers itself is not imported 
 """
 from __future__ import annotations
 
+import re
 from typing import Mapping, Optional
 
 # Hugging Face style -> (bigdense style, constructor options)
@@ -44,3 +45,18 @@ def translate_hf_plan(plan: Mapping[str, str]) -> dict[str, tuple]:
             f"('column', 'row', 'vocab', 'head')"
         )
     return {pattern: HF_STYLES[style] for pattern, style in plan.items()}
+
+
+def is_hf_model(model) -> bool:
+    """A transformers model: its config is where a tensor-parallel plan would be."""
+    return hasattr(getattr(model, "config", None), "base_model_tp_plan")
+
+
+def no_plan_error(model, dense_names) -> ValueError:
+    """For a transformers model that carries no plan: the automatic patterns would miss its layers
+    (its MLPs are not ``nn.Sequential``) and convert only what gains nothing, so say what to do."""
+    generic = sorted({re.sub(r"\d+", "*", n) for n in dense_names})
+    return ValueError(
+        f"parallelize: {type(model).__name__} carries no Hugging Face tensor-parallel plan (config.base_model_tp_plan "
+        f"is empty); set config.base_model_tp_plan before building it, or pass plan=. Its linear layers: {generic[:12]}"
+    )

@@ -34,7 +34,7 @@ from typing import Mapping, Optional, Union
 
 import torch.nn as nn
 
-from .hf_plan import hf_tp_plan, translate_hf_plan
+from .hf_plan import hf_tp_plan, is_hf_model, no_plan_error, translate_hf_plan
 from .layers import (
     ColumnParallelConv1D, ColumnParallelLinear, ParallelClassifierHead, RowParallelConv1D, RowParallelLinear,
     ShardedDropout, VocabParallelEmbedding, tie_weights,
@@ -181,6 +181,8 @@ def _choose_plan(model: nn.Module, plan: Optional[Mapping[str, PlanValue]]) -> t
     if hf is not None:
         return _without_tied(model, _resolve_plan(model, translate_hf_plan(hf), hf=True)), \
             "the model's Hugging Face tensor-parallel plan"
+    if is_hf_model(model):
+        raise no_plan_error(model, [n for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)])
     resolved, skipped = _auto_plan(model)
     for name, why in skipped.items():
         logger.info("parallelize: %s stays dense: %s", name or "<root>", why)

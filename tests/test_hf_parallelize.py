@@ -154,3 +154,14 @@ def test_converted_gpt2_checkpoint_exports_to_the_plain_model(tmp_path):
     safetensors.torch.load_model(plain, out)  # GPT-2's tied lm_head is stored once
     for name, value in reference.state_dict().items():
         assert torch.equal(plain.state_dict()[name], value), name
+
+
+def test_an_hf_model_without_a_plan_is_told_what_to_do():
+    # GPT-2 ships no plan; the automatic patterns would convert only its position embedding.
+    cfg = transformers.GPT2Config(vocab_size=61, n_embd=32, n_layer=2, n_head=4, n_positions=32, bos_token_id=0,
+                                  eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel carries no Hugging Face tensor-parallel plan.*"
+                                         r"'transformer\.h\.\*\.mlp\.c_fc'"):
+        bd.parallelize(model)
+    assert type(model.transformer.wpe) is torch.nn.Embedding  # nothing changed
