@@ -15,9 +15,11 @@ What is converted automatically (``plan=None``), and why nothing else is:
 * ``nn.Embedding`` with nn.Embedding's default options, unless its weight is tied to another
   module: the output of a `VocabParallelEmbedding` is the full embedding, a drop-in replacement.
 
-A model of Hugging Face ``transformers`` that carries a tensor-parallel plan (``config.base_model_tp_plan``
-and the class's ``_tp_plan``) is converted by that plan instead (`bigdense.hf_plan`); one that carries none is refused with
-``plan=None`` (the patterns below would miss its layers), naming them. Its ``Conv1D`` layers (GPT-2) convert as column/row keeping their transposed weight layout (`ColumnParallelConv1D`).
+A model of Hugging Face ``transformers`` that carries a tensor-parallel plan
+(``config.base_model_tp_plan`` and the class's ``_tp_plan``) is converted by that plan instead
+(`bigdense.hf_plan`); one that carries none is refused with ``plan=None`` (the patterns below
+would miss its layers), naming them. Its ``Conv1D`` layers (GPT-2) convert as column/row keeping
+their transposed weight layout (`ColumnParallelConv1D`).
 
 Never automatic: a lone ``nn.Linear`` (a column layer would leave its output sharded, a gathered one
 only adds communication); ``nn.MultiheadAttention``'s ``out_proj`` (it is applied inside
@@ -217,8 +219,8 @@ def parallelize(model: nn.Module, plan: Optional[Mapping[str, PlanValue]] = None
     With ``plan=None`` a Hugging Face model that carries a tensor-parallel plan is converted by it:
     ``colwise`` -> column, ``rowwise`` -> row, ``colwise_gather_output`` -> column with
     ``gather_output=True``, ``embedding_rowwise`` -> vocab; any other style is refused, as is a
-    transformers model that carries no plan. A ``Conv1D``
-    (GPT-2) converts as column/row with its own weight layout.
+    transformers model that carries no plan. A ``Conv1D`` (GPT-2) converts as column/row with its
+    own weight layout.
 
     The conversion is logged (logger ``bigdense.parallelize``) and recorded as
     ``model.bd_parallel_plan`` (``{name: style}``) and ``model.bd_parallel_plan_source`` (which
