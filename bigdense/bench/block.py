@@ -10,7 +10,9 @@ Every configuration (tp; sequence parallelism off/on; overlap on/off) runs in fr
 - **saved activation bytes** of one transformer block's forward in training mode (dropout on,
   bf16 parameters and activations, as Megatron's accounting assumes), counted with saved-tensor
   hooks, each storage once, parameters excluded; printed beside Megatron's per-layer formula
-  ``sbh(34 + 5as/h)`` bytes (``/t`` with TP and SP; Korthikanti et al. 2022, eq. 1 and 5);
+  ``sbh(34 + 5as/h)`` bytes (``/t`` with TP and SP; Korthikanti et al. 2022, eq. 1 and 5), whose
+  ``5as/h`` term (the s x s attention probabilities) applies only with ``--attention-dropout`` > 0:
+  otherwise attention is SDPA, which keeps no s x s matrix;
 - **peak memory** of one full training step (forward, backward, AdamW) of the model:
   ``torch.cuda.max_memory_allocated`` on GPU, the process's peak resident set on CPU;
 - **step time**, the median over steps of the slowest rank, fp32.
@@ -39,7 +41,8 @@ def _model_cfg(args, sequence_parallel, overlap_comm):
 
     return GPTConfig(
         vocab_size=args.vocab, d_model=768, n_layers=args.layers, n_heads=12, max_seq_len=args.seq,
-        dropout=0.1, head_chunk_size=4096, sequence_parallel=sequence_parallel, overlap_comm=overlap_comm,
+        dropout=0.1, attention_dropout=args.attention_dropout, head_chunk_size=4096,
+        sequence_parallel=sequence_parallel, overlap_comm=overlap_comm,
     )
 
 
@@ -114,9 +117,14 @@ def _rank(args, tp, sequence_parallel, overlap_comm):
     return {"saved_bytes": saved, "peak_bytes": peak, "step_s": statistics.median(times)}
 
 
-def megatron_bytes(s: int, b: int, h: int, a: int, t: int = 1) -> float:
-    """Activation bytes per layer, Megatron's formula: ``sbh(34 + 5as/h)``, ``/t`` with TP+SP."""
-    return s * b * h * (34 + 5 * a * s / h) / t
+def megatron_bytes(s: int, b: int, h: int, a: int, t: int, sequence_parallel: bool, probabilities: bool) -> float:
+    """Activation bytes per layer by Megatron's formulas: ``sbh(34 + 5as/h)`` unsharded,
+    ``sbh(10 + 24/t + 5as/(ht))`` with TP, ``sbh(34 + 5as/h)/t`` with TP and SP; without the
+    ``5as/h`` term when the attention probabilities are not kept (SDPA)."""
+    attention = 5 * a * s / h if probabilities else 0.0
+    if sequence_parallel or t == 1:
+        return s * b * h * (34 + attention) / t
+    return s * b * h * (10 + 24 / t + attention / t)
 
 
 def main(argv=None) -> None:
@@ -128,6 +136,8 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--attention-dropout", type=float, default=0.0,
+                        help="> 0: layout-free dropout on the attention probabilities (they are then kept)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", default=None, help="write one JSON object per configuration here")
     args = parser.parse_args(argv)
@@ -160,25 +170,31 @@ def _report(args, results) -> None:
     s, b, h, a = args.seq, args.batch, 768, 12
     base = next((r for r in results if r["tp"] == 1), None)
     print(
-        f"gpt_small block (d=768, 12 heads, dropout 0.1), batch {args.batch}, seq {args.seq}; full step: "
+        f"gpt_small block (d=768, 12 heads, dropout 0.1, attention dropout {args.attention_dropout}), batch {args.batch}, seq {args.seq}; full step: "
         f"{args.layers} layers, vocab {args.vocab}, fp32, AdamW; median of {args.steps} steps after {args.warmup}; "
         f"{args.device} ({'gloo processes x 1 thread' if args.device == 'cpu' else 'NCCL'})"
     )
-    print(f"Megatron's formula per layer, bf16: sbh(34 + 5as/h) = {megatron_bytes(s, b, h, a) / 2**20:.1f} MiB at t=1")
+    probabilities = args.attention_dropout > 0
+    term = "sbh(34 + 5as/h)" if probabilities else "sbh*34 (SDPA: no 5as/h term)"
+    print(f"Megatron's formula per layer, bf16: {term} = "
+          f"{megatron_bytes(s, b, h, a, 1, False, probabilities) / 2**20:.1f} MiB at t=1")
     print(f"{'tp':>3} {'SP':>3} {'overlap':>7} | {'saved/rank MiB':>14} {'vs tp=1':>8} {'target':>7} "
-          f"{'formula MiB':>11} | {'peak/rank MiB':>13} | {'step ms':>8} {'vs no SP':>8}")
+          f"{'formula MiB':>11} | {'peak/rank MiB':>13} | {'step ms':>8} {'vs no SP':>8} {'on/off':>7}")
     for r in results:
         same_tp = next(x for x in results if x["tp"] == r["tp"] and x["overlap_comm"] == r["overlap_comm"]
                        and not x["sequence_parallel"]) if r["tp"] > 1 else r
+        other = [x for x in results if (x["tp"], x["sequence_parallel"]) == (r["tp"], r["sequence_parallel"])
+                 and x["overlap_comm"] != r["overlap_comm"]]
+        # step time with overlap over without, on the overlap-on row
+        on_off = f"{r['step_s'] / other[0]['step_s']:.3f}" if other and r["overlap_comm"] else ""
         ratio = r["saved_bytes"] / base["saved_bytes"] if base else float("nan")
         target = f"{1.1 / r['tp']:.3f}" if r["sequence_parallel"] else "-"
-        formula = megatron_bytes(s, b, h, a, r["tp"] if r["sequence_parallel"] else 1)
-        if r["tp"] > 1 and not r["sequence_parallel"]:  # TP alone: the attention part shrinks by t
-            formula = s * b * h * (10 + 24 / r["tp"] + 5 * a * s / (h * r["tp"]))
+        formula = megatron_bytes(s, b, h, a, r["tp"], r["sequence_parallel"], probabilities)
         print(
             f"{r['tp']:>3} {'on' if r['sequence_parallel'] else 'off':>3} {'on' if r['overlap_comm'] else 'off':>7} | "
             f"{r['saved_bytes'] / 2**20:>14.1f} {ratio:>8.3f} {target:>7} {formula / 2**20:>11.1f} | "
-            f"{r['peak_bytes'] / 2**20:>13.0f} | {r['step_s'] * 1e3:>8.0f} {r['step_s'] / same_tp['step_s']:>8.3f}"
+            f"{r['peak_bytes'] / 2**20:>13.0f} | {r['step_s'] * 1e3:>8.0f} {r['step_s'] / same_tp['step_s']:>8.3f} "
+            f"{on_off:>7}"
         )
 
 
