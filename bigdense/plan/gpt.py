@@ -133,15 +133,6 @@ class GPTMemory:
             return self.attention_bytes() + self.u * self.f / self.rep + out  # the MLP's input instead of its insides
         return self.block_bytes()
 
-    def kept_weight_cache(self) -> float:
-        """autocast weight copies kept for the backward (those of layers that are not recomputed)."""
-        if self.layout.recompute == "mlp":
-            d, tp = self.shape.d_model, self.layout.tp
-            attn = (4 * d * d + (4 * d if self.shape.bias else 0)) / tp * self.c if self.layout.autocast else 0
-            return self.shape.n_layers * attn
-        kept = sum(1 for i in range(self.shape.n_layers) if not self._recomputed(i))
-        return kept * self.weight_cache_bytes()
-
     def per_layer(self) -> list[tuple[str, float]]:
         """``[(name, bytes kept through the forward)]``: embedding, each block, final norm output."""
         f = self.u * self.f / self.rep
@@ -176,6 +167,8 @@ class GPTMemory:
             # Cast operands; per chunk fp32 logits, their compute-width gradient, and one (C, d)
             # product with its fp32 copy (the per-token factor is applied in fp32).
             work = self.tokens * d * c + classes * d * c + classes * chunk * (4 + c) + classes * d * (c + 4)
+        if self.layout.sequence_parallel:
+            work += self.u * self.f  # the hidden states gathered along the sequence
         return {"grads": grads, "chunk": work}
 
     # ---- FLOPs ----
