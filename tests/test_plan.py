@@ -138,6 +138,18 @@ def test_peak_memory_gpt_tiny(tp):
     _check_peaks("gpt_tiny", tp, ["data.micro_batch_size=4", "data.seq_len=64"])
 
 
+@pytest.mark.parametrize("precision, recompute", [("fp32", "none"), ("bf16", "full")])
+def test_peak_memory_sequence_parallel(precision, recompute):
+    overrides = ["parallel.tp=2", "parallel.sequence_parallel=true", f"precision={precision}",
+                 f"recompute={recompute}", "data.micro_batch_size=4", "data.seq_len=64"]
+    est = estimate_config(compose(overrides, DEFAULT_CONF), _plan())
+    without = estimate_config(compose(overrides[:1] + overrides[2:], DEFAULT_CONF), _plan())
+    assert est.bytes_per_rank["activations"] < without.bytes_per_rank["activations"]  # SP splits them
+    predicted = est.peak_bytes
+    for m in run_ranks(_measure, 2, overrides, timeout=300):
+        assert abs(predicted - m) <= 0.15 * m, (overrides, predicted, m)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_peak_memory_gpt_small(tp):

@@ -3,7 +3,8 @@
     python -m bigdense.bench.plan                                   # tiny and small, tp 1 and 2
     python -m bigdense.bench.plan --models gpt_tiny --batch 8 --seq 128
 
-For each reference GPT config, TP size (gloo CPU processes), precision and recompute mode: the
+For each reference GPT config, TP size (gloo CPU processes; sequence parallelism off and on),
+precision and recompute mode: the
 peak of live tensor bytes during the second training step (`bigdense.plan.measure`), measured on
 every rank (the largest printed), and ``estimate_config``'s prediction for ``plan.device_type=cpu``.
 """
@@ -41,21 +42,22 @@ def main(argv=None) -> None:
     rows = []
     print(f"predicted vs measured peak bytes per rank, micro-batch {args.batch} x {args.seq} tokens, "
           f"engine=ddp, the second training step")
-    print(f"  {'model':<10} {'tp':>2} {'precision':>9} {'recompute':>9} {'predicted MiB':>13} {'measured MiB':>12} "
-          f"{'error':>7}  phase")
+    print(f"  {'model':<10} {'tp':>2} {'SP':>3} {'precision':>9} {'recompute':>9} {'predicted MiB':>13} "
+          f"{'measured MiB':>12} {'error':>7}  phase")
     for model in args.models:
-        for tp in args.tps:
+        for tp, sp in [(tp, sp) for tp in args.tps for sp in ((False, True) if tp > 1 else (False,))]:
             for precision in ("fp32", "bf16"):
                 for recompute in ("none", "full"):
-                    overrides = [f"model={model}", f"parallel.tp={tp}", f"precision={precision}",
-                                 f"recompute={recompute}", f"data.micro_batch_size={args.batch}",
-                                 f"data.seq_len={args.seq}"]
+                    overrides = [f"model={model}", f"parallel.tp={tp}", f"parallel.sequence_parallel={str(sp).lower()}",
+                                 f"precision={precision}", f"recompute={recompute}",
+                                 f"data.micro_batch_size={args.batch}", f"data.seq_len={args.seq}"]
                     est = estimate_config(compose(overrides, DEFAULT_CONF), plan)
                     measured = max(r["peak_bytes"] for r in run_ranks(_measure, tp, overrides, timeout=3600))
                     err = est.peak_bytes / measured - 1
                     rows.append({"overrides": overrides, "predicted_bytes": est.peak_bytes,
                                  "measured_bytes": measured, "relative_error": err, "phase": est.peak_phase})
-                    print(f"  {model:<10} {tp:>2} {precision:>9} {recompute:>9} {est.peak_bytes / 2**20:>13.1f} "
+                    print(f"  {model:<10} {tp:>2} {'yes' if sp else 'no':>3} {precision:>9} {recompute:>9} "
+                          f"{est.peak_bytes / 2**20:>13.1f} "
                           f"{measured / 2**20:>12.1f} {err:>+7.2%}  {est.peak_phase}", flush=True)
     print(f"largest error: {max(abs(r['relative_error']) for r in rows):.2%}")
     if args.json:

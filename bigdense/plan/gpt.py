@@ -8,19 +8,23 @@ micro-batch), ``hid = b*s*d_hidden``, ``P2 = b*(heads/tp)*s*s`` (one rank's atte
 Per block, what stays for the backward:
 
 * LayerNorm outputs, read by the next matmul: ``u`` each at 4 bytes, or under autocast the
-  matmul's cast copy at the compute width (the fp32 output is then freed).
+  matmul's cast copy at the compute width (the fp32 output is then freed); the column projections
+  of one input (SwiGLU's gate and up) share one copy.
 * ``qkv``: ``3u/tp``; the attention output before ``out``: ``u/tp`` (computed widths).
-* attention dropout > 0 (explicit softmax; SDPA's fused dropout on a GPU keeps none of it): softmax output, its dropout mask (1 byte), the dropped
-  probabilities (``P2`` each); CUDA autocast runs softmax in fp32, so there the probabilities are
+* attention dropout > 0 (explicit softmax; SDPA's fused dropout on a GPU keeps none of it):
+  softmax output, its dropout mask (1 byte), the dropped probabilities (``P2`` each); CUDA autocast runs softmax in fp32, so there the probabilities are
   4 bytes and ``probs @ v`` keeps a cast copy. Dropout 0: SDPA keeps only its output and
   log-sum-exp, no ``s x s`` matrix.
 * the residual stream after attention and after the MLP (``u`` at 4 bytes each: autocast adds
   compute-width branches into the fp32 stream), dropout masks (``u`` at 1 byte) after each branch.
 * MLP: GELU keeps its input and the down projection its output (``2 hid/tp``); ReLU keeps only
   its output (``hid/tp``); SwiGLU keeps gate, up, ``silu(gate)`` and their product (``4 hid/tp``).
-* autocast's weight cache: a compute-width copy of each weight, kept for the backward.
+* autocast's weight cache: a compute-width copy of each row-parallel weight (``out``, ``down``),
+  alive until the forward's autocast exits and kept for the backward; the column projections cast
+  their weights themselves and keep none.
 
-Sequence parallelism divides the replicated-region terms (norm outputs, residuals, masks) by tp.
+Sequence parallelism divides the replicated-region terms (norm outputs and the column projections'
+saved inputs, residuals, masks) by tp; the head then gathers the final hidden states (``u``).
 """
 from __future__ import annotations
 
@@ -80,8 +84,8 @@ class GPTMemory:
         self.rep = tp if layout.sequence_parallel else 1  # replicated-region terms are split by SP
 
     # ---- pieces of one block ----
-    def _norm_out(self, copies: int = 1) -> float:
-        return copies * self.u * (self.c if self.layout.autocast else self.f) / self.rep
+    def _norm_out(self) -> float:
+        return self.u * (self.c if self.layout.autocast else self.f) / self.rep
 
     def _mask(self) -> float:
         return self.u / self.rep if self.shape.dropout > 0 else 0
@@ -106,16 +110,14 @@ class GPTMemory:
     def mlp_bytes(self) -> float:
         tp, c = self.layout.tp, self.c
         kept = {"gelu": 2, "relu": 1, "swiglu": 4}[self.shape.activation]
-        copies = 2 if (self.shape.activation == "swiglu" and self.layout.autocast) else 1
-        return self._norm_out(copies) + kept * self.hid / tp * c + self._mask() + self.u * self.f / self.rep
+        return self._norm_out() + kept * self.hid / tp * c + self._mask() + self.u * self.f / self.rep
 
     def weight_cache_bytes(self) -> float:
-        """autocast's compute-width copies of one block's weights (and biases)."""
+        """autocast's compute-width copies of one block's row-parallel weights (``out``, ``down``),
+        kept for the backward; the column projections cast theirs explicitly and keep none."""
         if not self.layout.autocast:
             return 0
-        d, h, tp = self.shape.d_model, self.shape.d_hidden, self.layout.tp
-        biases = (4 * d + 2 * h) if self.shape.bias else 0
-        return (self.shape.block_weights() + biases) / tp * self.c
+        return (self.shape.d_model + self.shape.d_hidden) * self.shape.d_model / self.layout.tp * self.c
 
     def block_bytes(self) -> float:
         return self.attention_bytes() + self.mlp_bytes()

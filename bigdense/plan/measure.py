@@ -98,7 +98,7 @@ def measure_config(cfg) -> dict:
 
     ctx = init_parallel(tp=int(cfg.parallel.tp or 1), dp=cfg.parallel.dp)
     torch.manual_seed(0)
-    model = build_gpt(cfg.model, cfg.data.vocab_size, ctx)
+    model = build_gpt(cfg.model, cfg.data.vocab_size, ctx, cfg.parallel)
     apply_recompute(model.blocks, cfg.recompute)
     engine = build_engine(model, ctx, engine_cfg=cfg.engine, optim_cfg=cfg.optim, precision_cfg=cfg.precision,
                           micro_batch_size=cfg.data.micro_batch_size, grad_accum=cfg.data.grad_accum, max_steps=4)
