@@ -151,8 +151,9 @@ def main(argv=None) -> None:
             print(f"tp={tp}: skipped, {gpus} GPU(s) present")
             continue
         for sp, overlap in CONFIGS if tp > 1 else CONFIGS[:1]:
+            # CUDA cannot be used in forked children once the parent touched it: spawn them.
             per_rank = run_ranks(_rank, tp, args, tp, sp, overlap, timeout=3600, collective_timeout=900,
-                                 init_process_group=False)
+                                 init_process_group=False, start_method="spawn" if args.device == "cuda" else None)
             results.append({
                 "tp": tp, "sequence_parallel": sp, "overlap_comm": overlap,
                 "saved_bytes": max(r["saved_bytes"] for r in per_rank),
