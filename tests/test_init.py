@@ -1,5 +1,5 @@
 """Initialisation does not depend on the TP size, uses global fans, and never builds the full
-matrix for element-wise schemes. Comparisons are bit-exact (torch.equal / identical hashes): the
+matrix for element-wise schemes, which are drawn with a fixed number of ops. Comparisons are bit-exact (torch.equal / identical hashes): the
 same draws, merely distributed differently, must give the same bits."""
 import hashlib
 import math
@@ -9,7 +9,9 @@ import torch
 import torch.nn as nn
 
 import bigdense as bd
-from bigdense.layers.init import INITIALIZERS, Initializer
+from bigdense.bench.counters import OpCounter
+from bigdense.layers.init import INITIALIZERS, Initializer, init_bias_
+from bigdense.parallel import random as prng
 from bigdense.testing import run_ranks
 
 # Larger than one 512x512 tile in both dims, and uneven for tp = 3 and 4.
@@ -111,6 +113,52 @@ def test_meta_device_build_then_materialize_equals_eager_build():
     assert lazy[0].weight.tensor_model_parallel and lazy[0].weight.partition_dim == 0
 
 
+def _init_ops(name: str, rows: int, cols: int) -> int:
+    """aten ops of one init (on the meta device: the ops are those of a real device, none run)."""
+    with OpCounter() as counter:
+        INITIALIZERS[name].init_(torch.empty(rows, cols, device="meta"), (rows, cols), (0, 0), seed=11)
+    return counter.ops
+
+
+def test_named_init_ops_do_not_grow_with_the_tensor():
+    # A 512-tile loop would launch 4 vs 64 tiles' worth of kernels for these shards (both within one
+    # CHUNK); counter-based drawing launches the same fixed handful for both.
+    assert 1024 * 1024 < 4096 * 4096 <= prng.CHUNK
+    for name in sorted(set(INITIALIZERS) - {"orthogonal"}):
+        small, large = _init_ops(name, 1024, 1024), _init_ops(name, 4096, 4096)
+        assert small == large and small <= 40, (name, small, large)
+    with OpCounter() as counter:
+        init_bias_(torch.empty(5000), INITIALIZERS["torch"], 64, 9000, 3000, seed=11)
+    assert counter.ops <= 30, counter.by_op
+    # Past CHUNK the shard is drawn in CHUNK-sized blocks: the count grows with size / CHUNK only.
+    blocks = 8192 * 8192 // prng.CHUNK
+    assert blocks > 1 and _init_ops("normal", 8192, 8192) <= blocks * _init_ops("normal", 1024, 1024)
+
+
+def test_chunked_draws_equal_unchunked_draws(monkeypatch):
+    full = INITIALIZERS["xavier_normal"].init_(torch.empty(300, 70), (300, 70), (0, 0), seed=5)
+    monkeypatch.setattr(prng, "CHUNK", 1000)  # 14 rows a block; and 1-column blocks below
+    assert torch.equal(INITIALIZERS["xavier_normal"].init_(torch.empty(300, 70), (300, 70), (0, 0), seed=5), full)
+    monkeypatch.setattr(prng, "CHUNK", 1)
+    part = INITIALIZERS["xavier_normal"].init_(torch.empty(7, 9), (300, 70), (100, 20), seed=5)
+    assert torch.equal(part, full[100:107, 20:29])
+
+
+def test_counter_draws_have_the_law_statistics_and_no_neighbour_correlation():
+    # 4M samples: the sample mean has std sigma / 2048, the sample std (relative) ~ 1/2900, and the
+    # correlation of independent pairs ~ 1/2048 (the relative error of the std is largest for a
+    # normal, whose kurtosis is the largest of the three). 5 of those standard errors almost never fail by
+    # chance; a correlation from the row/column hash structure would show far above them.
+    n = 2048
+    for name, std in (("normal", 1.0), ("torch", 1 / math.sqrt(3 * n)), ("trunc_normal", 0.02 * T2)):
+        w = INITIALIZERS[name].init_(torch.empty(n, n), (n, n), (0, 0), seed=99).double()
+        assert abs(w.mean().item()) < 5 * std / n, name
+        assert abs(w.std().item() / std - 1) < 5 / math.sqrt(2 * n * n), (name, w.std().item(), std)
+        z = (w - w.mean()) / w.std()
+        for a, b in ((z[:, 1:], z[:, :-1]), (z[1:], z[:-1]), (z[1:, 1:], z[:-1, :-1]), (z[1:, :-1], z[:-1, 1:])):
+            assert abs((a * b).mean().item()) < 5 / n, name
+
+
 def _generated_elements(tp):
     ctx = bd.init_parallel(tp=tp)
     counts = []
@@ -127,7 +175,8 @@ def _generated_elements(tp):
     return sizes
 
 
-def test_elementwise_init_generates_only_the_tiles_of_its_own_shard():
+def test_generator_based_init_generates_only_the_tiles_of_its_own_shard():
+    # An Initializer built from a generator-based fill keeps the tile path (`tiled_fill_`).
     for rank, sizes in enumerate(run_ranks(_generated_elements, 4, 4)):
         for kind, (generated, largest_tile, local) in sizes.items():
             # A shard of 1000 rows/cols touches at most 3 tiles of 512 along the split dim.

@@ -1,10 +1,13 @@
 """Weight initialisers that give the same full matrix at every tensor-parallel size.
 
-Fan-in and fan-out always come from the *global* shape ``(out_features, in_features)``. Values
-are drawn tile by tile (`bigdense.parallel.random.tiled_fill_`), so a rank only generates the
-tiles that touch its shard; after the same ``torch.manual_seed`` the matrix assembled from the
-shards is bit-identical at tp = 1, 2, 3, ... . The exception is ``"orthogonal"``, which needs a QR
-of the whole matrix: every rank builds the full matrix once, then keeps its slice.
+Fan-in and fan-out always come from the *global* shape ``(out_features, in_features)``. The named
+schemes are counter-based (`bigdense.parallel.random.counter_fill_`): element ``(row, col)`` is a
+pure function of (the layer's seed, global row, global column), so a rank only generates its own
+shard, with a fixed handful of vectorised ops per chunk on the weight's device, and after the same
+``torch.manual_seed`` the matrix assembled from the shards is bit-identical at tp = 1, 2, 3, ... .
+``"orthogonal"`` needs a QR of the whole matrix: every rank builds the full matrix once, then keeps
+its slice. User callables, and `Initializer` objects built from a generator-based ``fill``, need
+torch's generator: they keep the tile path (`bigdense.parallel.random.tiled_fill_`).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Callable, Sequence, Union
 import torch
 import torch.nn as nn
 
+from ..parallel import random as prng
 from ..parallel.random import mix_seed, tiled_fill_
 
 # Fills an fp32 tile in place: fill(tile, generator, fan_in, fan_out).
@@ -23,7 +27,8 @@ TileFill = Callable[[torch.Tensor, torch.Generator, int, int], None]
 
 @dataclass(frozen=True)
 class Initializer:
-    """A named element-wise scheme; ``fill`` receives the global fans. Subclass for other kinds."""
+    """A named element-wise scheme drawn tile by tile with torch's generator (`tiled_fill_`);
+    ``fill`` receives the global fans. The built-in schemes are `CounterInitializer`s."""
 
     name: str
     fill: TileFill
@@ -34,13 +39,35 @@ class Initializer:
         return tiled_fill_(out, global_shape, offsets, seed, lambda t, g: self.fill(t, g, fan_in, fan_out))
 
 
+# Turns int32 hash words into fp32 values: law(words, fan_in, fan_out).
+CounterLaw = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class CounterInitializer(Initializer):
+    """A named element-wise scheme drawn counter-based (`counter_fill_`); ``law`` receives the
+    global fans and turns hash words into values."""
+
+    law: CounterLaw = None
+
+    def init_(self, out, global_shape, offsets, seed):
+        fan_out, fan_in = int(global_shape[0]), int(global_shape[1])
+        return prng.counter_fill_(out, global_shape, offsets, seed, lambda w: self.law(w, fan_in, fan_out))
+
+
+class _Zeros(Initializer):
+    def init_(self, out, global_shape, offsets, seed):
+        with torch.no_grad():
+            return out.zero_()
+
+
 class _Orthogonal(Initializer):
     """``nn.init.orthogonal_`` on the global matrix. Each rank holds the full matrix while it runs."""
 
     def init_(self, out, global_shape, offsets, seed):
         rows, cols = int(global_shape[0]), int(global_shape[1])
         gaussian = torch.empty(rows, cols, dtype=torch.float32, device=out.device)
-        tiled_fill_(gaussian, (rows, cols), (0, 0), seed, lambda t, g: t.normal_(0.0, 1.0, generator=g))
+        prng.counter_fill_(gaussian, (rows, cols), (0, 0), seed, prng.standard_normal)
         flat = gaussian.t() if rows < cols else gaussian
         q, r = torch.linalg.qr(flat)
         q = q * torch.diagonal(r).sign()
@@ -70,31 +97,19 @@ class _PerTileCallable(Initializer):
         return tiled_fill_(out, global_shape, offsets, seed, fill)
 
 
-def _uniform(bound: Callable[[int, int], float]) -> TileFill:
-    def fill(t, g, fan_in, fan_out):
-        b = bound(fan_in, fan_out)
-        t.uniform_(-b, b, generator=g)
-
-    return fill
+def _uniform(name: str, bound: Callable[[int, int], float]) -> Initializer:
+    """U(-bound, bound)."""
+    return CounterInitializer(name, None, lambda w, fi, fo: prng.uniform_symmetric(w) * bound(fi, fo))
 
 
-def _normal(std: Callable[[int, int], float]) -> TileFill:
-    def fill(t, g, fan_in, fan_out):
-        t.normal_(0.0, std(fan_in, fan_out), generator=g)
-
-    return fill
+def _normal(name: str, std: Callable[[int, int], float]) -> Initializer:
+    """N(0, std^2)."""
+    return CounterInitializer(name, None, lambda w, fi, fo: prng.standard_normal(w) * std(fi, fo))
 
 
-def _trunc_normal(std: Callable[[int, int], float]) -> TileFill:
-    def fill(t, g, fan_in, fan_out):
-        s = std(fan_in, fan_out)
-        nn.init.trunc_normal_(t, 0.0, s, -2.0 * s, 2.0 * s, generator=g)
-
-    return fill
-
-
-def _zeros(t, g, fan_in, fan_out):
-    t.zero_()
+def _trunc_normal(name: str, std: Callable[[int, int], float]) -> Initializer:
+    """N(0, std^2) cut at +-2 std."""
+    return CounterInitializer(name, None, lambda w, fi, fo: prng.truncated_normal(w, 2.0) * std(fi, fo))
 
 
 _RELU_GAIN = math.sqrt(2.0)
@@ -104,21 +119,21 @@ _TRUNC2_STD = 0.87962566103423978
 
 INITIALIZERS: dict[str, Initializer] = {
     # nn.Linear's own: kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
-    "torch": Initializer("torch", _uniform(lambda fi, fo: 1.0 / math.sqrt(fi))),
-    "xavier_uniform": Initializer("xavier_uniform", _uniform(lambda fi, fo: math.sqrt(6.0 / (fi + fo)))),
-    "xavier_normal": Initializer("xavier_normal", _normal(lambda fi, fo: math.sqrt(2.0 / (fi + fo)))),
+    "torch": _uniform("torch", lambda fi, fo: 1.0 / math.sqrt(fi)),
+    "xavier_uniform": _uniform("xavier_uniform", lambda fi, fo: math.sqrt(6.0 / (fi + fo))),
+    "xavier_normal": _normal("xavier_normal", lambda fi, fo: math.sqrt(2.0 / (fi + fo))),
     # torch's defaults for these: a=0, mode="fan_in", nonlinearity="leaky_relu" (gain sqrt(2)).
-    "kaiming_uniform": Initializer("kaiming_uniform", _uniform(lambda fi, fo: _RELU_GAIN * math.sqrt(3.0 / fi))),
-    "kaiming_normal": Initializer("kaiming_normal", _normal(lambda fi, fo: _RELU_GAIN / math.sqrt(fi))),
+    "kaiming_uniform": _uniform("kaiming_uniform", lambda fi, fo: _RELU_GAIN * math.sqrt(3.0 / fi)),
+    "kaiming_normal": _normal("kaiming_normal", lambda fi, fo: _RELU_GAIN / math.sqrt(fi)),
     # flax's lecun_normal: truncated at 2 std, rescaled so the variance is 1/fan_in.
-    "lecun_normal": Initializer("lecun_normal", _trunc_normal(lambda fi, fo: 1.0 / math.sqrt(fi) / _TRUNC2_STD)),
+    "lecun_normal": _trunc_normal("lecun_normal", lambda fi, fo: 1.0 / math.sqrt(fi) / _TRUNC2_STD),
     "orthogonal": _Orthogonal("orthogonal", None),
     # GPT-2 / Megatron's N(0, 0.02^2), truncated at 2 std (as timm's trunc_normal_(std=.02)):
     # the resulting std is 0.0176.
-    "trunc_normal": Initializer("trunc_normal", _trunc_normal(lambda fi, fo: 0.02)),
+    "trunc_normal": _trunc_normal("trunc_normal", lambda fi, fo: 0.02),
     # nn.Embedding's own: N(0, 1).
-    "normal": Initializer("normal", _normal(lambda fi, fo: 1.0)),
-    "zeros": Initializer("zeros", _zeros),
+    "normal": _normal("normal", lambda fi, fo: 1.0),
+    "zeros": _Zeros("zeros", None),
 }
 
 _FAN_DEPENDENT = {
@@ -156,4 +171,4 @@ def init_bias_(out: torch.Tensor, init: Initializer, fan_in: int, global_len: in
         with torch.no_grad():
             return out.zero_()
     bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-    return tiled_fill_(out, (global_len,), (offset,), mix_seed(seed, 1), lambda t, g: t.uniform_(-bound, bound, generator=g))
+    return prng.counter_fill_(out, (global_len,), (offset,), mix_seed(seed, 1), lambda w: prng.uniform_symmetric(w) * bound)

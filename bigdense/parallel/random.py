@@ -1,17 +1,21 @@
 """Random numbers that do not depend on the tensor-parallel size.
 
-Two schemes, one per use:
+Both schemes are counter-based: element ``(row, col)`` of a global tensor (viewed as 2-D) is a pure
+function of a hash of ``(key, row, col)`` (`hash_words`), a fixed handful of vectorised integer ops
+on whole tensors. A rank computes exactly its slice from the global indices of its elements, so the
+values it holds are bit-identical to the same slice of the unsharded tensor, at any TP size, and the
+number of kernels does not grow with the tensor.
 
-* Initialisation (`tiled_fill_`): a global 2-D tensor is cut into a fixed grid of tiles (``TILE``
-  x ``TILE``, independent of any sharding). Tile ``(i, j)`` is filled by its own generator, seeded
-  from ``(seed, i, j)``. A rank that owns a slice of the tensor fills only the tiles its slice
-  touches and keeps its part, so the values it holds are bit-identical to the same slice of the
-  unsharded tensor, at any TP size, and no rank ever materialises the whole tensor. It runs once.
-* Dropout (`tp_dropout`, every step): counter-based. Element ``(row, col)`` of the global tensor
-  (viewed as 2-D) is kept when a hash of ``(key, row, col)`` is below a threshold. The hash is a
-  fixed handful of vectorised integer ops on whole tensors, so the number of kernels does not grow
-  with the tensor, a rank computes exactly its slice from the global indices of its elements, and
-  the key is a tensor (nothing is baked into a compiled graph, nothing is read back to the host).
+* Initialisation (`counter_fill_`, once): the key comes from the layer's seed; the hash words are
+  turned into uniform, normal or truncated-normal values (`uniform_symmetric`, `standard_normal`,
+  `truncated_normal`; normals by inverse CDF, with no rejection loop). Rows are generated in chunks of at
+  most ``CHUNK`` elements, so temporaries stay bounded for any shard.
+* Dropout (`tp_dropout`, every step): element ``(row, col)`` is kept when its hash word is below a
+  threshold. The key is a tensor (nothing is baked into a compiled graph, nothing is read back to
+  the host).
+
+`tiled_fill_` (a fixed grid of ``TILE`` x ``TILE`` tiles, a torch.Generator seeded per tile) is the
+generator path kept for user-supplied fills, which need torch's generator API.
 """
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ from typing import Callable, Sequence
 import torch
 
 TILE = 512
+# Elements hashed at once by `counter_fill_`: bounds its temporaries (a few int32/fp32 tensors of
+# this size, 64 MiB each) whatever the shard.
+CHUNK = 1 << 24
 _MASK64 = (1 << 64) - 1
 
 
@@ -95,6 +102,80 @@ def tiled_fill_(
                 a0, a1 = max(tr0, r0), min(tr1, r1)
                 b0, b1 = max(tc0, c0), min(tc1, c1)
                 out[a0 - r0 : a1 - r0, b0 - c0 : b1 - c0].copy_(block[a0 - tr0 : a1 - tr0, b0 - tc0 : b1 - tc0])
+    return out
+
+
+def hash_words(seed: int, rows: tuple[int, int], cols: tuple[int, int], global_shape: Sequence[int], device) -> torch.Tensor:
+    """The int32 hash words (``(n, m)``) of rows ``[r0, r0 + n)`` and columns ``[c0, c0 + m)`` of the
+    global ``global_shape`` tensor for integer key ``seed``; ``rows = (r0, n)``, ``cols = (c0, m)``.
+    The word rule of `keep_mask`, keyed by two 32-bit words of ``mix_seed(seed)``; whether indices
+    need 64 bits is decided by the global shape, so every slice hashes an index alike."""
+    key = mix_seed(seed)
+    key0, key1 = (key & 0xFFFFFFFF) - (1 << 31), ((key >> 32) & 0x7FFFFFFF)
+    row_words = _words(torch.arange(rows[0], rows[0] + rows[1], dtype=torch.int64, device=device), _M1,
+                       int(global_shape[0]) > 2**31)
+    col_words = _words(torch.arange(cols[0], cols[0] + cols[1], dtype=torch.int64, device=device), _GOLDEN,
+                       int(global_shape[1]) > 2**31)
+    return _fmix32((row_words ^ key0).unsqueeze(1) ^ (col_words + key1).unsqueeze(0))
+
+
+def uniform_symmetric(words: torch.Tensor) -> torch.Tensor:
+    """U(-1, 1) in fp32 from the top 24 bits of each word: ``(k + 1/2) / 2^23`` for the signed
+    ``k = word >> 8`` in [-2^23, 2^23), exact in fp32, symmetric about 0, never reaching +-1."""
+    return ((words >> 8).to(torch.float32) + 0.5) * 2.0**-23
+
+
+def standard_normal(words: torch.Tensor) -> torch.Tensor:
+    """N(0, 1) in fp32 by inverse CDF: the top bit is the sign, the next 24 bits a uniform ``v`` in
+    [0, 1), and the magnitude ``sqrt(2) erfinv(v)`` (the largest is about 5.4)."""
+    return _signed_half_normal(words, 1.0)
+
+
+def truncated_normal(words: torch.Tensor, bound: float = 2.0) -> torch.Tensor:
+    """N(0, 1) restricted to [-bound, bound], in fp32, exactly (no rejection): `standard_normal`'s
+    inverse CDF with ``v`` restricted to [0, erf(bound / sqrt(2)))."""
+    return _signed_half_normal(words, math.erf(bound / math.sqrt(2.0))).clamp_(-bound, bound)
+
+
+def _signed_half_normal(words: torch.Tensor, top: float) -> torch.Tensor:
+    """sign(word) * sqrt(2) erfinv(v * top), ``v`` from bits 30..7 (24 bits, exact in fp32)."""
+    v = ((words >> 7) & 0xFFFFFF).to(torch.float32) * (top * 2.0**-24)
+    magnitude = torch.erfinv(v) * math.sqrt(2.0)
+    return torch.where(words < 0, -magnitude, magnitude)
+
+
+def counter_fill_(
+    out: torch.Tensor,
+    global_shape: Sequence[int],
+    offsets: Sequence[int],
+    seed: int,
+    law: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Fill ``out`` with its slice of the counter-based random global tensor for ``seed``.
+
+    ``out`` is ``global[o0 : o0 + out.shape[0], o1 : o1 + out.shape[1]]`` for ``offsets = (o0, o1)``
+    (1-D tensors: one offset). ``law(words)`` turns int32 `hash_words` into fp32 values, which are
+    cast into ``out``'s dtype, so every dtype sees the same draws. Generated on ``out``'s device in
+    blocks of at most ``CHUNK`` elements: a fixed number of ops per block, and size / CHUNK blocks.
+    """
+    if out.dim() == 1:
+        counter_fill_(out.view(1, -1), (1, global_shape[0]), (0, offsets[0]), seed, law)
+        return out
+    if out.dim() != 2:
+        raise ValueError(f"counter_fill_: expected a 1-D or 2-D tensor, got shape {tuple(out.shape)}")
+    (n, m), (r0, c0) = out.shape, (int(offsets[0]), int(offsets[1]))
+    if r0 + n > int(global_shape[0]) or c0 + m > int(global_shape[1]):
+        raise ValueError(f"counter_fill_: slice [{r0}:{r0 + n}, {c0}:{c0 + m}] exceeds global shape "
+                         f"{tuple(global_shape)}")
+    block_cols = max(1, min(m, CHUNK))
+    block_rows = max(1, CHUNK // block_cols)
+    with torch.no_grad():
+        for i in range(0, n, block_rows):
+            rows = min(block_rows, n - i)
+            for j in range(0, m, block_cols):
+                cols = min(block_cols, m - j)
+                words = hash_words(seed, (r0 + i, rows), (c0 + j, cols), global_shape, out.device)
+                out[i : i + rows, j : j + cols].copy_(law(words))
     return out
 
 
