@@ -114,7 +114,7 @@ def test_meta_device_build_then_materialize_equals_eager_build():
 
 
 def _init_ops(name: str, rows: int, cols: int) -> int:
-    """aten ops of one init (on the meta device: the ops are those of a real device, none run)."""
+    """aten ops of one init (on the meta device: the ops and CHUNK of an accelerator, none run)."""
     with OpCounter() as counter:
         INITIALIZERS[name].init_(torch.empty(rows, cols, device="meta"), (rows, cols), (0, 0), seed=11)
     return counter.ops
@@ -137,9 +137,9 @@ def test_named_init_ops_do_not_grow_with_the_tensor():
 
 def test_chunked_draws_equal_unchunked_draws(monkeypatch):
     full = INITIALIZERS["xavier_normal"].init_(torch.empty(300, 70), (300, 70), (0, 0), seed=5)
-    monkeypatch.setattr(prng, "CHUNK", 1000)  # 14 rows a block; and 1-column blocks below
+    monkeypatch.setattr(prng, "CPU_CHUNK", 1000)  # 14 rows a block; and 1-column blocks below
     assert torch.equal(INITIALIZERS["xavier_normal"].init_(torch.empty(300, 70), (300, 70), (0, 0), seed=5), full)
-    monkeypatch.setattr(prng, "CHUNK", 1)
+    monkeypatch.setattr(prng, "CPU_CHUNK", 1)
     part = INITIALIZERS["xavier_normal"].init_(torch.empty(7, 9), (300, 70), (100, 20), seed=5)
     assert torch.equal(part, full[100:107, 20:29])
 

@@ -7,8 +7,10 @@ Builds ``ColumnParallelLinear(in, out)`` (one process, tp=1: the whole weight) w
 of each law, in the same run: ``baseline`` draws the weight tile by tile, one torch.Generator per
 512 x 512 tile (`tiled_fill_` with the per-tile fill the named schemes used to have, kept here as
 `_tiled`), ``current`` is the named scheme (counter-based `counter_fill_`). The bias is drawn the
-current way in both. Counts every aten op of the build (`bench.counters.OpCounter`; views apart),
-and times it: variants alternate so machine noise hits both alike; median.
+current way in both. Counts every aten op of the weight's init (`bench.counters.OpCounter`; views
+apart) as an accelerator would launch them: the baseline's on CPU (the same tiles on any device),
+the current one's on the meta device (``CHUNK``-sized blocks; CPU draws cache-sized ``CPU_CHUNK``
+blocks instead). Times the CPU build: variants alternate so machine noise hits both alike; median.
 """
 from __future__ import annotations
 
@@ -58,17 +60,18 @@ def main(argv=None) -> None:
         variants = {"baseline": _tiled(name), "current": INITIALIZERS[name]}
         ops, syncs = {}, {}
         for kind, init in variants.items():
+            weight = torch.empty(shape[1], shape[0], device="cpu" if kind == "baseline" else "meta")
             with OpCounter() as counter:
-                _build(init, *shape)
+                init.init_(weight, weight.shape, (0, 0), seed=1)
             ops[kind], syncs[kind] = counter.ops, counter.syncs
         times = {kind: [] for kind in variants}
         for _ in range(args.iters):
             for kind, init in variants.items():
                 times[kind].append(_build(init, *shape))
         med = {kind: statistics.median(ts) for kind, ts in times.items()}
-        print(f"  init={name:7s} aten ops: baseline {ops['baseline']:6d}   current {ops['current']:4d}   "
+        print(f"  init={name:7s} weight init aten ops: baseline {ops['baseline']:6d}   current {ops['current']:4d}   "
               f"ratio {ops['baseline'] / ops['current']:6.1f}x   host syncs: {syncs['baseline']} vs {syncs['current']}")
-        print(f"  init={name:7s} time:     baseline {med['baseline']:6.2f} s   current {med['current']:6.2f} s   "
+        print(f"  init={name:7s} layer build time:    baseline {med['baseline']:6.2f} s   current {med['current']:6.2f} s   "
               f"ratio {med['baseline'] / med['current']:.2f}x")
         results.append(dict(bench="init", init=name, in_features=shape[0], out_features=shape[1],
                             ops_baseline=ops["baseline"], ops_current=ops["current"],

@@ -26,9 +26,12 @@ from typing import Callable, Sequence
 import torch
 
 TILE = 512
-# Elements hashed at once by `counter_fill_`: bounds its temporaries (a few int32/fp32 tensors of
-# this size, 64 MiB each) whatever the shard.
+# Elements hashed at once by `counter_fill_` on an accelerator: bounds its temporaries (a few
+# int32/fp32 tensors of this size, 64 MiB each) whatever the shard, with few, large kernels.
 CHUNK = 1 << 24
+# The same on CPU, where an op launches no kernel but a block that fits in cache keeps the twenty
+# or so passes over it from streaming main memory (several times faster than CHUNK-sized blocks).
+CPU_CHUNK = 1 << 16
 _MASK64 = (1 << 64) - 1
 
 
@@ -156,7 +159,8 @@ def counter_fill_(
     ``out`` is ``global[o0 : o0 + out.shape[0], o1 : o1 + out.shape[1]]`` for ``offsets = (o0, o1)``
     (1-D tensors: one offset). ``law(words)`` turns int32 `hash_words` into fp32 values, which are
     cast into ``out``'s dtype, so every dtype sees the same draws. Generated on ``out``'s device in
-    blocks of at most ``CHUNK`` elements: a fixed number of ops per block, and size / CHUNK blocks.
+    blocks of at most ``CHUNK`` elements (``CPU_CHUNK`` on CPU): a fixed number of ops per block,
+    and size / CHUNK blocks. The values do not depend on the block size.
     """
     if out.dim() == 1:
         counter_fill_(out.view(1, -1), (1, global_shape[0]), (0, offsets[0]), seed, law)
@@ -167,8 +171,9 @@ def counter_fill_(
     if r0 + n > int(global_shape[0]) or c0 + m > int(global_shape[1]):
         raise ValueError(f"counter_fill_: slice [{r0}:{r0 + n}, {c0}:{c0 + m}] exceeds global shape "
                          f"{tuple(global_shape)}")
-    block_cols = max(1, min(m, CHUNK))
-    block_rows = max(1, CHUNK // block_cols)
+    chunk = CPU_CHUNK if out.device.type == "cpu" else CHUNK
+    block_cols = max(1, min(m, chunk))
+    block_rows = max(1, chunk // block_cols)
     with torch.no_grad():
         for i in range(0, n, block_rows):
             rows = min(block_rows, n - i)
