@@ -90,27 +90,33 @@ def _record(phase: str, kind: str, nbytes: int) -> None:
 
 
 class Pending:
-    """A collective in flight; ``wait()`` blocks until it is done and returns its result."""
+    """A collective in flight; ``wait()`` blocks until it is done and returns its result.
 
-    def __init__(self, work, kind: Optional[str], nbytes: int, finish: Callable[[], torch.Tensor]):
-        self._work, self._kind, self._nbytes, self._finish = work, kind, nbytes, finish
+    ``kind`` and ``group`` also name the collective when ``wait()`` fails: the backend raises from
+    C++, so the traceback has no torch.distributed frame (`bigdense.train.faults` reads them)."""
+
+    def __init__(self, work, kind: Optional[str], nbytes: int, finish: Callable[[], torch.Tensor],
+                 group: Optional[ProcessGroup] = None):
+        self._work, self._nbytes, self._finish = work, nbytes, finish
+        self.kind, self.group = kind, group
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
-        if self._kind is not None:
-            _record("wait", self._kind, self._nbytes)
+        if self.kind is not None:
+            _record("wait", self.kind, self._nbytes)
         return self._finish()
 
 
-def _issue(kind: str, nbytes: int, launch, traced, finish: Callable[[], torch.Tensor]) -> Pending:
+def _issue(kind: str, group: Optional[ProcessGroup], nbytes: int, launch, traced,
+           finish: Callable[[], torch.Tensor]) -> Pending:
     """Launch a collective: ``launch()`` (eager, asynchronous, returns the backend's work) or, under
     torch.compile, ``traced()`` (the functional collective, done when it returns)."""
     if traceable():
         traced()
         return completed(finish())
     _record("issue", kind, nbytes)
-    return Pending(launch(), kind, nbytes, finish)
+    return Pending(launch(), kind, nbytes, finish, group)
 
 
 def completed(result: torch.Tensor) -> Pending:
@@ -136,7 +142,7 @@ def all_reduce_start(tensor: torch.Tensor, group: Optional[ProcessGroup], op=dis
     """Issue an in-place all-reduce of ``tensor``; ``wait()`` returns ``tensor``."""
     if group_size(group) == 1:
         return completed(tensor)
-    return _issue("all_reduce", _nbytes(tensor),
+    return _issue("all_reduce", group, _nbytes(tensor),
                   lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
                   lambda: tensor.copy_(funcol.all_reduce(tensor, _FUNCOL_OPS[op], group)), lambda: tensor)
 
@@ -152,7 +158,7 @@ def all_gather_sizes(length: int, group: Optional[ProcessGroup], device) -> list
         return [int(length)]
     mine = torch.tensor([length], dtype=torch.int64, device=device)
     out = torch.empty(group_size(group), dtype=torch.int64, device=device)
-    _issue("all_gather", _nbytes(out), lambda: _all_gather_single(out, mine, group=group, async_op=True),
+    _issue("all_gather", group, _nbytes(out), lambda: _all_gather_single(out, mine, group=group, async_op=True),
            lambda: out.copy_(funcol.all_gather_tensor(mine, 0, group)), lambda: out).wait()
     return [int(v) for v in out.tolist()]
 
@@ -195,7 +201,7 @@ def all_gather_dim_start(
             full = torch.cat([out[r * longest : r * longest + s] for r, s in enumerate(sizes)], dim=0)
         return full.movedim(0, dim).contiguous()
 
-    return _issue("all_gather", _nbytes(out),
+    return _issue("all_gather", group, _nbytes(out),
                   lambda: _all_gather_single(out, front, group=group, async_op=True),
                   lambda: out.copy_(funcol.all_gather_tensor(front, 0, group)), finish)
 
@@ -231,7 +237,7 @@ def reduce_scatter_dim_start(
     front = front.contiguous()
     out = front.new_empty((longest,) + tuple(front.shape[1:]))
     mine = sizes[group_rank(group)]
-    return _issue("reduce_scatter", _nbytes(front),
+    return _issue("reduce_scatter", group, _nbytes(front),
                   lambda: _reduce_scatter_single(out, front, group=group, async_op=True),
                   lambda: out.copy_(funcol.reduce_scatter_tensor(front, "sum", 0, group)),
                   lambda: out[:mine].movedim(0, dim).clone(memory_format=torch.contiguous_format))
@@ -278,6 +284,6 @@ def broadcast_(tensor: torch.Tensor, src_group_rank: int, group: Optional[Proces
     if group_size(group) == 1:
         return tensor
     src = dist.get_global_rank(group, src_group_rank)
-    return _issue("broadcast", _nbytes(tensor),
+    return _issue("broadcast", group, _nbytes(tensor),
                   lambda: dist.broadcast(tensor, src=src, group=group, async_op=True),
                   lambda: tensor.copy_(funcol.broadcast(tensor, src, group)), lambda: tensor).wait()

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from ..parallel import comm
 from ..validation import ConfigError
 
 log = logging.getLogger("bigdense")
@@ -107,14 +108,14 @@ def describe_collective(exc: BaseException) -> str:
     c10d, ranks, frames = None, None, []
     tb = exc.__traceback__
     while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_filename.endswith("distributed_c10d.py") and not code.co_name.startswith("_"):
-            c10d = code.co_name
-            group = tb.tb_frame.f_locals.get("group")
-            try:
-                ranks = dist.get_process_group_ranks(group) if group is not None else None
-            except Exception:  # noqa: BLE001 - a destroyed group: name the call without its ranks
-                ranks = None
+        code, local = tb.tb_frame.f_code, tb.tb_frame.f_locals
+        pending = local.get("self") if code.co_name == "wait" else None
+        if isinstance(pending, comm.Pending) and c10d is None:
+            # bigdense's asynchronous collectives fail in the backend's wait(), below any Python frame
+            # of torch.distributed: the Pending names the collective and its group.
+            c10d, ranks = pending.kind, _group_ranks(pending.group)
+        elif code.co_filename.endswith("distributed_c10d.py") and not code.co_name.startswith("_"):
+            c10d, ranks = code.co_name, _group_ranks(local.get("group"))
         elif f"{os.sep}bigdense{os.sep}" in code.co_filename and c10d is None:
             frames.append(f"{Path(code.co_filename).stem}.{code.co_name}")
         tb = tb.tb_next
@@ -125,6 +126,13 @@ def describe_collective(exc: BaseException) -> str:
         return "a collective run outside Python (DDP's gradient all-reduce or an autograd backward's)"
     over = f" over ranks {ranks}" if ranks is not None else " over the world"
     return f"torch.distributed.{c10d}{over}" + (f" (called from bigdense {caller})" if caller else "")
+
+
+def _group_ranks(group) -> Optional[list[int]]:
+    try:
+        return dist.get_process_group_ranks(group) if group is not None else None
+    except Exception:  # noqa: BLE001 - a destroyed group: name the call without its ranks
+        return None
 
 
 def diagnose_collective_failure(exc: BaseException, ctx, step: int, wait_s: float = 5.0) -> CollectiveFailure:
