@@ -19,7 +19,7 @@ from .data.prepare import check_data
 from .layers.init import INITIALIZERS
 from .layers.mlp import ACTIVATIONS
 from .models import MODELS, GPTConfig
-from .models.gpt import ATTENTION_DROPOUT_MODES
+from .models.gpt import ATTENTION_DROPOUT_MODES, check_heads
 from .parallel.context import ParallelDims
 from .train.checkpointing import check_checkpointing
 from .train.compile import check_compile
@@ -326,8 +326,6 @@ def validate(cfg, world_size: int, device_type: str) -> None:
     if m.vocab_size is not None and m.vocab_size < cfg.data.vocab_size:
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than data.vocab_size={cfg.data.vocab_size}: "
                           "the tokenizer would produce ids the embedding does not have (leave it null)")
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.d_model={m.d_model}")
     low_rank = getattr(m, "low_rank", None)
     if low_rank is not None and not hasattr(low_rank, "items"):
         raise ConfigError(f"model.low_rank must be a mapping {{module path: rank}} or null, got {low_rank!r}")
@@ -341,7 +339,4 @@ def validate(cfg, world_size: int, device_type: str) -> None:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
 
     tp = ParallelDims.resolve(cfg.parallel.tp, cfg.parallel.dp, world_size).tp
-    if m.n_heads % tp:
-        ok = [d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]
-        raise ConfigError(f"parallel.tp={tp} must divide model.n_heads={m.n_heads} (heads are split over TP); "
-                          f"choose tp from {ok}")
+    check_heads(m.d_model, m.n_heads, tp, key="model.", tp_key="parallel.tp")

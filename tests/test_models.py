@@ -161,7 +161,7 @@ def _heads_not_divisible():
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused_clearly():
-    with pytest.raises(RankError, match=r"the TP size 3 must divide n_heads=4"):
+    with pytest.raises(RankError, match=r"the TP size=3 must divide n_heads=4"):
         run_ranks(_heads_not_divisible, 3)
 
 

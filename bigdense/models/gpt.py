@@ -43,6 +43,7 @@ from ..parallel.comm import group_rank, group_size
 from ..parallel.random import tp_dropout
 from ..parallel.regions import scatter_to_sequence
 from ..parallel.sharding import shard_sizes
+from ..validation import ConfigError
 
 ATTENTION_DROPOUT_MODES = ("invariant", "fused")
 
@@ -77,6 +78,19 @@ class GPTConfig:
         values = {k: getattr(model_cfg, k) for k in keys if hasattr(model_cfg, k)}
         values["low_rank"] = dict(values.get("low_rank") or {})
         return cls(vocab_size=getattr(model_cfg, "vocab_size", None) or vocab_size, **values)
+
+
+def check_heads(d_model: int, n_heads: int, tp: int, *, owner: str = "", key: str = "",
+                tp_key: str = "the TP size") -> None:
+    """The attention's shape rule, for the layer and for the config alike: heads divide ``d_model``
+    and ``tp`` divides the heads (each rank holds whole heads). ``key`` prefixes the model keys in
+    the message (``"model."`` for the config), ``tp_key`` names the TP size."""
+    if d_model % n_heads:
+        raise ConfigError(f"{owner}{key}n_heads={n_heads} must divide {key}d_model={d_model}")
+    if n_heads % tp:
+        choices = [d for d in range(1, n_heads + 1) if n_heads % d == 0]
+        raise ConfigError(f"{owner}{tp_key}={tp} must divide {key}n_heads={n_heads} (heads are split over TP); "
+                          f"choose tp from {choices}")
 
 
 class ParallelSelfAttention(nn.Module):
@@ -116,12 +130,7 @@ class ParallelSelfAttention(nn.Module):
         self.attention_dropout, self.attention_dropout_mode = float(attention_dropout), attention_dropout_mode
         tp_group = resolve_tp_group(tp_group)
         tp = group_size(tp_group)
-        if d_model % n_heads:
-            raise ValueError(f"ParallelSelfAttention: n_heads={n_heads} must divide d_model={d_model}")
-        if n_heads % tp:
-            raise ValueError(
-                f"ParallelSelfAttention: the TP size {tp} must divide n_heads={n_heads} (whole heads per rank)"
-            )
+        check_heads(d_model, n_heads, tp, owner="ParallelSelfAttention: ")
         self.n_heads, self.head_dim, self.dropout = n_heads, d_model // n_heads, dropout
         self.heads_local = n_heads // tp
         self.tp_size, self.tp_rank = tp, group_rank(tp_group)
