@@ -1,5 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make train    the main job: train the reference GPT on 2 CPU processes (tp=2)
+#   make classify the classifier job: which stdlib file a window of tokens comes from (tp=2)
 #   make test     the test suite
 # Both create .venv on first use. With no torch in it, torch $(TORCH_VERSION) is installed first,
 # so pip never resolves an unpinned torch for bigdense's `torch>=2.4` itself. Which build that pin
@@ -16,7 +17,7 @@ ARGS ?=
 # A run directory to resume or extend (trainer.run_dir); empty: a new one per launch.
 RUN ?=
 
-.PHONY: setup train test test-quick clean
+.PHONY: setup train classify test test-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +29,9 @@ setup: $(VENV)/.installed
 
 train: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/train.py $(if $(RUN),trainer.run_dir=$(RUN)) $(ARGS)
+
+classify: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/classify.py $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)

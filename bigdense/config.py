@@ -34,7 +34,7 @@ from .validation import ConfigError, check_choice, check_positive
 class ModelConfig:
     """The network. Defaults are `bigdense.models.GPTConfig`'s; ``vocab_size`` defaults to the tokenizer's."""
 
-    name: str = "gpt"  # one of bigdense.models.MODELS (the classifier there is library-only)
+    name: str = "gpt"  # one of bigdense.models.MODELS: "gpt" (launch/train.py), "encoder" (launch/classify.py)
     d_model: int = GPTConfig.d_model
     n_layers: int = GPTConfig.n_layers
     n_heads: int = GPTConfig.n_heads  # tensor parallelism splits heads: parallel.tp must divide this
@@ -160,6 +160,16 @@ class TrainerConfig:
 
 
 @dataclass
+class HeadConfig:
+    """The classifier head of ``launch/classify.py`` (see `bigdense.ParallelClassifierHead`)."""
+
+    shard: str = "tp"  # "tp" (classes over the TP group) or "world" (over every rank; engine=ddp)
+    sample_rate: float = 1.0  # in (0, 1]: the share of non-target classes each step scores (Partial FC)
+    margin: Any = None  # null, "arcface", "cosface" or [m1, m2, m3]: cos(m1 * theta + m2) - m3
+    scale: float = 64.0  # the logit scale of a margin head
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
@@ -169,6 +179,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
 
 
 @dataclass
@@ -340,3 +351,24 @@ def validate(cfg, world_size: int, device_type: str) -> None:
 
     tp = ParallelDims.resolve(cfg.parallel.tp, cfg.parallel.dp, world_size).tp
     check_heads(m.d_model, m.n_heads, tp, key="model.", tp_key="parallel.tp")
+    _validate_head(cfg)
+
+
+def _validate_head(cfg) -> None:
+    """The head's own rules (from `bigdense.layers`), reported under their config keys."""
+    from .layers.head_modes import SHARD_MODES
+    from .layers.margin import resolve_margin
+    from .layers.sampling import check_sample_rate
+
+    head = cfg.head
+    check_choice("head.shard", head.shard, SHARD_MODES)
+    margin = head.margin if head.margin is None or isinstance(head.margin, str) else tuple(head.margin)
+    for key, check in (("head.sample_rate", lambda: check_sample_rate(head.sample_rate, "head")),
+                       ("head.margin", lambda: resolve_margin(margin, head.scale, "head"))):
+        try:
+            check()
+        except ValueError as err:
+            raise ConfigError(f"{key}={getattr(head, key.split('.')[1])!r}: {err}") from None
+    if head.shard == "world" and cfg.engine.kind == "deepspeed":
+        raise ConfigError("head.shard=world needs engine=ddp: DeepSpeed's ZeRO would average the world-sharded "
+                          "head's gradient over DP, mixing different classes' rows")

@@ -2,6 +2,7 @@
 
     python -m bigdense.bench.head                       # 1024 -> 131,072 classes, 4,096 tokens, fp32
     python -m bigdense.bench.head --classes 8192 --tokens 512 --iters 2 --warmup 1   # a quick smoke run
+    python -m bigdense.bench.head --suite xc            # sampled / world / margin (bench/head_xc.py)
 
 Contenders, each in fresh processes (spawned, so each peak RSS is its own):
 
@@ -162,9 +163,18 @@ CONTENDERS = ("unsharded", "bigdense", "dtensor", "bigdense-recompute")
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bigdense.bench.head", description=__doc__.split("\n")[0])
-    parser.add_argument("--features", type=int, default=1024)
-    parser.add_argument("--classes", type=int, default=131_072)
+    parser.add_argument("--suite", default="tp", choices=("tp", "sampled", "world", "accuracy", "bf16", "xc"),
+                        help="tp: the contenders below; the others: see bigdense/bench/head_xc.py")
+    parser.add_argument("--features", type=int, default=None, help="default 1024 (tp), 512 (bf16), 128 (others)")
+    parser.add_argument("--classes", type=int, default=None,
+                        help="default 131,072 (tp), 1,000,000 (sampled), 200,000 (world), 65,536 (bf16)")
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=300, help="accuracy: training steps")
+    parser.add_argument("--acc-classes", type=int, default=50_000, help="accuracy: classes")
+    parser.add_argument("--acc-batch", type=int, default=1024, help="accuracy: batch")
+    parser.add_argument("--acc-lr", type=float, default=3e-3, help="accuracy: AdamW learning rate")
+    parser.add_argument("--noise", type=float, default=0.5, help="accuracy: std of the samples around their centre")
+    parser.add_argument("--before", default=None, help="bf16: a git revision whose fused loss is measured too")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
@@ -175,6 +185,11 @@ def main(argv=None) -> None:
         help=f"comma-separated, run in this order; any of {', '.join(CONTENDERS)}",
     )
     args = parser.parse_args(argv)
+    if args.suite != "tp":
+        from . import head_xc
+
+        return head_xc.run(args)
+    args.features, args.classes = args.features or 1024, args.classes or 131_072
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     unknown = sorted(set(names) - set(CONTENDERS))
     if unknown:

@@ -24,7 +24,7 @@ class Piece:
 
     ``sharded``: each TP rank holds a different box. Otherwise the tensor is replicated over TP and
     only TP rank 0's copy is written. ``dp_owned``: only this DP rank holds this box (a ZeRO
-    partition's fragment), so it writes it itself; other pieces are held alike by every DP replica
+    partition's fragment, a shard of a tensor split over the whole mesh), so it writes it itself; other pieces are held alike by every DP replica
     of its TP rank and `writers.assign_writes` shares them out among the replicas.
     """
 
@@ -73,19 +73,15 @@ def unwrap(model) -> tuple[nn.Module, Any]:
 
 def collect_shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
     """``{parameter name: ShardSpec}`` for every sharded parameter, from the layers' own reports."""
-    specs = {}
-    for prefix, sub in module.named_modules():
-        report = getattr(sub, "bd_shard_specs", None)
-        if callable(report):
-            for name, spec in report().items():
-                specs[f"{prefix}.{name}" if prefix else name] = spec
-    return specs
+    from ..layers.base import named_shard_specs
+
+    return named_shard_specs(module)
 
 
 def _box_of(name: str, tensor: torch.Tensor, spec: Optional[ShardSpec], tp_rank: int, tp_size: int):
     if spec is None:
         return tuple(tensor.shape), (0,) * tensor.dim()
-    if len(spec.sizes) != tp_size or spec.rank != tp_rank:
+    if spec.group == "tp" and (len(spec.sizes) != tp_size or spec.rank != tp_rank):
         raise CheckpointError(
             f"parameter {name!r} is sharded over a TP group of {len(spec.sizes)} ranks (rank {spec.rank}), "
             f"but the parallel context has tp={tp_size} (rank {tp_rank}); build layers after bd.init_parallel"
@@ -113,8 +109,9 @@ def model_pieces(module: nn.Module, tp_rank: int, tp_size: int) -> ModelState:
         canonical[id(value)] = name
         spec = specs.get(name)
         global_shape, offsets = _box_of(name, value, spec, tp_rank, tp_size)
+        # A tensor split over the whole mesh (shard spec group "world") has no DP replicas: each rank writes its box.
         pieces[name] = Piece(f"model/{name}", value.detach(), tuple(global_shape), offsets, spec is not None,
-                             None if spec is None else spec.dim)
+                             None if spec is None else spec.dim, dp_owned=spec is not None and spec.group == "world")
     return ModelState(pieces, aliases, canonical, non_tensor)
 
 
@@ -132,7 +129,7 @@ def optimizer_state_piece(model: ModelState, name: str, key: str, value: torch.T
     param_piece = model.pieces[name]
     if value.dim() > 0 and tuple(value.shape) == param_piece.shape:
         return Piece(f"optim/{name}/{key}", value.detach(), param_piece.global_shape, param_piece.offsets,
-                     param_piece.sharded, param_piece.shard_dim)
+                     param_piece.sharded, param_piece.shard_dim, param_piece.dp_owned)
     if param_piece.sharded and value.dim() > 0:
         raise CheckpointError(
             f"optimizer state {key!r} of sharded parameter {name!r} has shape {tuple(value.shape)}, neither the "

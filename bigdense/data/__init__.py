@@ -8,10 +8,11 @@ that are pure functions of the training step.
 from .batches import BatchSampler, eval_batches
 from .cache import cache_root
 from .corpus import list_files, read_corpus, split_files
+from .file_classes import FileWindows
 from .prepare import Data, prepare_data
 from .tokenizer import EOT, BPETokenizer, token_dtype
 
 __all__ = [
     "prepare_data", "Data", "BPETokenizer", "BatchSampler", "eval_batches", "list_files", "read_corpus",
-    "split_files", "cache_root", "token_dtype", "EOT",
+    "split_files", "cache_root", "token_dtype", "EOT", "FileWindows",
 ]

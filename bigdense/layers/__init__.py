@@ -3,7 +3,8 @@ from .base import TensorParallelModule, materialize
 from .conv1d import ColumnParallelConv1D, RowParallelConv1D
 from .dropout import ShardedDropout
 from .embedding import VocabParallelEmbedding
-from .head import ParallelClassifierHead, tie_weights
+from .head import ParallelClassifierHead
+from .tying import tie_weights
 from .init import INITIALIZERS, Initializer
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .lowrank import low_rank, low_rank_like

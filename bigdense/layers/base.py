@@ -136,6 +136,18 @@ def check_from_dense(cls, module: nn.Module, expected: type, kwargs: dict, from_
             raise TypeError(f"{cls.__name__}.from_dense: {key}= comes from the nn.{expected.__name__}, do not pass it")
 
 
+def named_shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
+    """``{parameter name: ShardSpec}`` for every sharded parameter of ``module``, from its layers' own
+    reports (``bd_shard_specs``); parameters no layer reports are replicated."""
+    specs = {}
+    for prefix, sub in module.named_modules():
+        report = getattr(sub, "bd_shard_specs", None)
+        if callable(report):
+            for name, spec in report().items():
+                specs[f"{prefix}.{name}" if prefix else name] = spec
+    return specs
+
+
 def materialize(module: nn.Module, device="cpu") -> nn.Module:
     """Allocate a module built on the meta device and initialise it in place.
 

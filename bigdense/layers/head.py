@@ -1,8 +1,11 @@
-"""A classifier head over very many classes, sharded by class over TP, whose loss never holds the logits.
+"""A classifier head over very many classes, sharded by class over TP (or every rank), whose loss
+never holds the logits.
 
     head = bd.ParallelClassifierHead(1024, num_classes=1_000_000, bias=False)
     loss = head.loss(h, target, label_smoothing=0.1)     # == F.cross_entropy(full logits, target, ...)
     scores, classes = head.predict(h, k=5)              # global top-5; full logits never gathered
+    face = bd.ParallelClassifierHead(512, 3_000_000, bias=False, shard="world", sample_rate=0.1,
+                                     margin="arcface")  # Partial FC: InsightFace's recipe
 
 The head is a `ColumnParallelLinear` over classes (so ``from_dense``/``to_dense``/``load_dense_``,
 TP-invariant init and shard specs come with it); ``loss`` and ``predict`` work chunk by chunk over
@@ -10,6 +13,7 @@ tokens so the per-rank logits working set is (chunk, classes_local), never (toke
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -17,10 +21,13 @@ import torch.nn.functional as F
 
 from ..checks import checks_enabled
 from ..parallel import comm
+from ..parallel.regions import copy_to_tp, gather_from_sequence
 from ..validation import check_positive_int, is_positive_int
-from ..parallel.regions import gather_from_sequence
+from .head_modes import ClassGroups, loss_inputs, resolve_class_groups
 from .init import InitSpec, init_bias_
 from .linear import ColumnParallelLinear
+from .margin import MarginSpec, resolve_margin
+from .sampling import check_sample_rate
 from .vocab_ce import CEConfig, FusedVocabParallelCE, auto_chunk_size
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -37,7 +44,8 @@ class ParallelClassifierHead(ColumnParallelLinear):
     TP rank.
 
     ``chunk_size``: tokens per chunk in ``loss`` and ``predict``. ``None`` picks the largest chunk
-    whose fp32 logits on the rank with the most classes fit in 64 MiB (``vocab_ce.AUTO_CHUNK_BYTES``).
+    whose fp32 logits on the rank with the most classes (scored classes, when sampling) fit in
+    64 MiB (``vocab_ce.AUTO_CHUNK_BYTES``).
     ``grad_strategy``: ``"forward"`` (form the gradients while the forward has each chunk's logits:
     3 matmuls) or ``"recompute"`` (recompute the logits in the backward: 4 matmuls, lets you call
     backward twice); see `bigdense.layers.vocab_ce` for the measurements behind the default.
@@ -50,6 +58,31 @@ class ParallelClassifierHead(ColumnParallelLinear):
     the sequence, and ``target`` (*, S) replicated. The hidden states are all-gathered along the
     sequence (never the logits); the gradient of ``h`` is then reduce-scattered instead of
     all-reduced.
+
+    ``shard``: ``"tp"`` splits the classes over the TP group; ``"world"`` over every rank of the
+    TP x DP mesh (rank ``dp_rank * tp + tp_rank`` holds the shard of that index), as Partial FC
+    does: ``loss`` and ``predict`` all-gather the DP ranks' tokens (their gradients are
+    reduce-scattered back), so the weight, its gradient and its optimizer state exist once in the
+    job and data parallelism must leave them alone (the engines do: the shard spec says
+    ``group="world"``). Each rank's ``loss`` is still the mean over its own tokens and the weight's
+    gradient the DP average, so it is a drop-in for the TP-sharded head under DDP. Without a DP
+    group of more than one rank it runs as ``"tp"`` (with a warning). ``dp_group`` defaults to the
+    default context's.
+
+    ``sample_rate`` r in (0, 1]: each ``loss`` scores the classes that are targets somewhere in the
+    global batch plus each other class with probability r (`bigdense.layers.sampling`: a function
+    of a seed drawn from torch's default generator at each call, the global batch's targets and the
+    class index, so the same at every layout). The softmax runs over those classes only (label
+    smoothing too); r = 1 is the exact full loss. Unsampled rows get a zero gradient: plain SGD
+    leaves them alone; Adam keeps moving them by their decaying moments (and weight decay), which is
+    what Partial FC's current version does with one indexed weight. ``predict`` always scores every
+    class.
+
+    ``margin``: ``None``, ``"arcface"`` = ``(1, 0.5, 0)``, ``"cosface"`` = ``(1, 0, 0.35)`` or
+    ``(m1, m2, m3)``; the logits become ``scale * cos`` of L2-normalised features and class vectors,
+    the target's ``scale * (cos(m1 theta + m2) - m3)`` (`bigdense.layers.margin`), inside the fused
+    chunked loss. Needs ``bias=False``. ``logits`` and ``predict`` then give ``scale * cos``, so
+    ``predict`` ranks by cosine.
     """
 
     def __init__(
@@ -58,14 +91,29 @@ class ParallelClassifierHead(ColumnParallelLinear):
         num_classes: int,
         bias: bool = True,
         *,
+        shard: str = "tp",
+        sample_rate: float = 1.0,
+        margin: MarginSpec = None,
+        scale: float = 64.0,
         chunk_size: Optional[int] = None,
         grad_strategy: str = "forward",
         sequence_parallel: bool = False,
         init: InitSpec = "torch",
         tp_group=None,
+        dp_group=None,
         device=None,
         dtype=None,
     ):
+        where = f"ParallelClassifierHead(in_features={in_features}, num_classes={num_classes})"
+        sample_rate = check_sample_rate(sample_rate, where)
+        self_margin = resolve_margin(margin, scale, where)
+        if self_margin is not None and bias:
+            raise ValueError(f"{where}: margin={margin!r} normalises the class vectors, so the head has no bias; "
+                             "pass bias=False")
+        groups = resolve_class_groups(shard, tp_group, dp_group, where)
+        if groups.shard == "world" and sequence_parallel:
+            raise ValueError(f"{where}: shard='world' gathers every DP rank's tokens; it does not combine with "
+                             "sequence_parallel=True (use shard='tp')")
         check_positive_int("ParallelClassifierHead: num_classes", num_classes)
         if chunk_size is not None and not is_positive_int(chunk_size):
             raise ValueError(
@@ -75,13 +123,26 @@ class ParallelClassifierHead(ColumnParallelLinear):
             raise ValueError(
                 f"ParallelClassifierHead: grad_strategy must be one of {_STRATEGIES}, got {grad_strategy!r}"
             )
+        # The classes are split over `groups.classes` (the TP group, or the whole mesh): the
+        # layer's "TP group" below is that group, so init, shard specs and dense conversion follow it.
+        self.groups: ClassGroups = groups  # (before the parameters: `shard_spec` reads it)
         super().__init__(
             in_features, num_classes, bias, gather_output=False, sequence_parallel=sequence_parallel, init=init,
-            tp_group=tp_group, device=device, dtype=dtype,
+            tp_group=groups.classes, device=device, dtype=dtype,
         )
         self._tied_embedding = None  # (embedding,) once `tie_weights` ran
         self.chunk_size = chunk_size
         self.grad_strategy = grad_strategy
+        self.sample_rate = float(sample_rate)
+        self.margin = self_margin
+
+    @property
+    def shard(self) -> str:
+        return self.groups.shard
+
+    def shard_spec(self, name: str):
+        spec = super().shard_spec(name)
+        return spec if spec is None or self.shard == "tp" else dataclasses.replace(spec, group="world")
 
     @property
     def num_classes(self) -> int:
@@ -102,7 +163,8 @@ class ParallelClassifierHead(ColumnParallelLinear):
         tied = ", weight tied to an embedding" if self._tied_embedding is not None else ""
         return (
             f"{self._describe_shape()}, bias={self.bias is not None}, classes on this rank="
-            f"{self.classes_local} (from {self.class_start}), tp={self.tp_size}, chunk_size={self.chunk_size}{tied}"
+            f"{self.classes_local} (from {self.class_start}), shard={self.shard!r} over {self.tp_size} ranks, "
+            f"sample_rate={self.sample_rate}, margin={self.margin}, chunk_size={self.chunk_size}{tied}"
         )
 
     def reset_parameters(self) -> None:
@@ -119,11 +181,19 @@ class ParallelClassifierHead(ColumnParallelLinear):
 
     def _chunk(self) -> int:
         # From the largest shard, so every rank cuts the tokens at the same places (one collective per chunk).
-        return self.chunk_size or auto_chunk_size(max(self.partition_sizes))
+        return self.chunk_size or auto_chunk_size(max(self.partition_sizes), self.weight.device.type)
 
     def logits(self, h: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
-        """This rank's shard of the logits, (*, classes_local). Grad of ``h`` is summed over TP."""
-        return super().forward(h, seq_len)
+        """This rank's shard of the logits of ``h`` as given (no DP gathering), (*, classes_local);
+        with a margin, ``scale * cos``. Grad of ``h`` is summed over TP."""
+        if self.margin is None:
+            return super().forward(h, seq_len)
+        if self.sequence_parallel:  # the gather's backward reduce-scatters the partial gradient
+            h = self._gather_sequence(h, seq_len)
+        else:
+            self._check_input(h, self.in_features, "in_features", self.weight)
+            h = copy_to_tp(h, self.tp_group)
+        return F.linear(F.normalize(h, dim=-1) * self.margin.scale, F.normalize(self.weight, dim=-1))
 
     def _gather_sequence(self, h: torch.Tensor, seq_len: int) -> torch.Tensor:
         """Under sequence parallelism, the whole sequence of hidden states on every rank."""
@@ -160,6 +230,10 @@ class ParallelClassifierHead(ColumnParallelLinear):
         where F.cross_entropy gives nan (deliberate: one padded-out batch must not poison a run).
         The number of counted tokens stays a tensor: the loss makes no host synchronisation with
         checks off.
+
+        With ``sample_rate < 1`` the softmax (and label smoothing) runs over the sampled classes;
+        with a margin the logits are the margin head's (see the class docstring); world-sharded,
+        ``h`` and ``target`` are this DP rank's and the loss is over them alone.
         """
         if self.sequence_parallel:
             if not isinstance(target, torch.Tensor) or target.dim() == 0:
@@ -171,17 +245,18 @@ class ParallelClassifierHead(ColumnParallelLinear):
             raise ValueError(f"{self._where()}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
         if not 0.0 <= float(label_smoothing) <= 1.0:
             raise ValueError(f"{self._where()}: label_smoothing must be in [0, 1], got {label_smoothing}")
+        x = loss_inputs(self, h.reshape(-1, self.in_features), target.reshape(-1), int(ignore_index))
         device_type = h.device.type
         autocasting = device_type != "meta" and torch.is_autocast_enabled(device_type)  # meta: shapes only
         compute_dtype = torch.get_autocast_dtype(device_type) if autocasting else h.dtype
         cfg = CEConfig(
             group=self.tp_group,
-            num_classes=self.num_classes,
-            class_start=self.class_start,
+            num_classes=x.classes.num_classes,
+            class_start=x.classes.class_start,
             label_smoothing=float(label_smoothing),
-            ignore_index=int(ignore_index),
+            ignore_index=x.classes.ignore_index,
             reduction=reduction,
-            chunk_size=self._chunk(),
+            chunk_size=self.chunk_size or auto_chunk_size(x.classes.largest_shard, h.device.type),
             strategy="recompute" if reduction == "none" else self.grad_strategy,
             compute_dtype=compute_dtype,
             # Under sequence parallelism the gather's backward reduce-scatters the partial gradient.
@@ -189,11 +264,14 @@ class ParallelClassifierHead(ColumnParallelLinear):
             # Decided here: inside the autograd function grad mode is always off and
             # needs_input_grad says True even under no_grad, so evaluation would form gradients.
             grad_wanted=torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad for t in (h, self.weight, self.bias)
+                t is not None and t.requires_grad for t in (x.h, x.classes.weight, x.classes.bias, x.target_offset)
             ),
+            grad_group=self.groups.tp if x.rows is not None else None,
+            rows=x.rows,
+            # Under sequence parallelism the gather's backward reduce-scatters the partial gradient.
+            sum_grad_h=not self.sequence_parallel,
         )
-        flat_h = h.reshape(-1, self.in_features)
-        out = FusedVocabParallelCE.apply(flat_h, self.weight, self.bias, target.reshape(-1), cfg)
+        out = FusedVocabParallelCE.apply(x.h, x.classes.weight, x.classes.bias, x.classes.target, x.target_offset, cfg)
         return out.view(target.shape) if reduction == "none" else out
 
     def _check_target(self, h: torch.Tensor, target: torch.Tensor, ignore_index: int) -> None:
@@ -230,19 +308,29 @@ class ParallelClassifierHead(ColumnParallelLinear):
         Each rank takes its own top-k per chunk of tokens, every rank gathers the ``k * tp``
         candidates (never the logits) and keeps the best ``k``. Ties go to the lower class id,
         deterministically (NaN logits rank as -inf). Under sequence parallelism ``h`` is this
-        rank's share of the sequence and the result covers the whole sequence.
+        rank's share of the sequence and the result covers the whole sequence. A margin head ranks
+        by ``scale * cos``; a world-sharded head gathers the DP ranks' tokens and returns this rank's
+        rows.
         """
         if self.sequence_parallel:
             h = self._gather_sequence(h, None)
         self._check_input(h, self.in_features, "in_features, replicated on every TP rank", self.weight)
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.num_classes:
             raise ValueError(f"{self._where()}: k must be an integer in [1, {self.num_classes}], got {k!r}")
-        flat = h.reshape(-1, self.in_features)
+        flat, weight = h.reshape(-1, self.in_features), self.weight
+        own = slice(None)
+        if self.shard == "world":
+            sizes = comm.all_gather_sizes(flat.shape[0], self.groups.dp, h.device)
+            flat = comm.all_gather_dim(flat, 0, self.groups.dp, sizes)
+            rank = comm.group_rank(self.groups.dp)
+            own = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+        if self.margin is not None:
+            flat, weight = F.normalize(flat, dim=-1) * self.margin.scale, F.normalize(weight, dim=-1)
         per_rank_k = [min(k, size) for size in self.partition_sizes]
         my_k = per_rank_k[self.tp_rank]
         values, ids = [], []
         for lo in range(0, flat.shape[0], self._chunk()):
-            z = F.linear(flat[lo : lo + self._chunk()], self.weight, self.bias)
+            z = F.linear(flat[lo : lo + self._chunk()], weight, self.bias)
             v, i = _local_topk_lowest_id(z, my_k)
             v = comm.all_gather_dim(v, 1, self.tp_group, per_rank_k)
             i = comm.all_gather_dim(i + self.class_start, 1, self.tp_group, per_rank_k)
@@ -255,7 +343,7 @@ class ParallelClassifierHead(ColumnParallelLinear):
         if not values:  # empty batch
             dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
             return h.new_empty(lead + (k,), dtype=dtype), torch.empty(lead + (k,), dtype=torch.long, device=h.device)
-        return torch.cat(values).view(lead + (k,)), torch.cat(ids).view(lead + (k,))
+        return torch.cat(values)[own].reshape(lead + (k,)), torch.cat(ids)[own].reshape(lead + (k,))
 
 
 def _local_topk_lowest_id(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,38 +363,3 @@ def _local_topk_lowest_id(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     take = above | (at_kth & (at_kth.cumsum(dim=1, dtype=torch.int32) <= missing))
     cols = take.nonzero()[:, 1].view(n, k)
     return z.gather(1, cols), cols
-
-
-def tie_weights(embedding, head: ParallelClassifierHead) -> ParallelClassifierHead:
-    """Make ``head.weight`` the same Parameter as ``embedding.weight`` (tied input/output embeddings).
-
-    Both are split by row with the same balanced rule, so with ``num_classes == num_embeddings``,
-    ``in_features == embedding_dim`` and the same TP group each rank's shards line up and the
-    gradients of both uses accumulate into the one local shard. The embedding initialises the
-    weight; ``head.reset_parameters()`` (and so `bigdense.materialize`, whose ``to_empty`` unties
-    Parameters) re-ties instead of re-initialising. Returns ``head``.
-    """
-    from .embedding import VocabParallelEmbedding
-
-    if not isinstance(embedding, VocabParallelEmbedding) or not isinstance(head, ParallelClassifierHead):
-        raise TypeError(
-            f"tie_weights(embedding, head): expected a VocabParallelEmbedding and a ParallelClassifierHead, "
-            f"got {type(embedding).__name__} and {type(head).__name__}"
-        )
-    if (embedding.num_embeddings, embedding.embedding_dim) != (head.num_classes, head.in_features):
-        raise ValueError(
-            f"tie_weights: the embedding is ({embedding.num_embeddings}, {embedding.embedding_dim}) but the head "
-            f"needs (num_classes, in_features) = ({head.num_classes}, {head.in_features})"
-        )
-    if embedding.tp_group is not head.tp_group:
-        raise ValueError(
-            "tie_weights: the embedding and the head use different TP groups; their shards would not line up"
-        )
-    if embedding.weight.dtype != head.weight.dtype or embedding.weight.device != head.weight.device:
-        raise ValueError(
-            f"tie_weights: embedding weight is {embedding.weight.dtype} on {embedding.weight.device}, "
-            f"head weight {head.weight.dtype} on {head.weight.device}"
-        )
-    head._tied_embedding = (embedding,)  # a tuple: not registered as a submodule of the head
-    head.weight = embedding.weight
-    return head

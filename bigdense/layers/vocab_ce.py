@@ -31,9 +31,13 @@ Gradient strategy (``strategy=``):
 both strategies (time and peak memory per rank); the README records the figures.
 
 ``"forward"`` is the default: less time (the fourth matmul and a second softmax pass are gone)
-for the same peak memory -- in both, the peak is the weight, its gradient and one chunk of
-logits; only *when* the gradient buffer appears differs. Its cost is that the gradients exist
+for the same peak memory -- in both, the peak is the weight, its gradient and one or two chunks
+of logits; only *when* the gradient buffer appears differs. Its cost is that the gradients exist
 from the forward on, and a loss can only be backpropagated once.
+
+Across ranks, each chunk's all-gather of statistics is started and left running while the next
+chunk's logits are computed (two fp32 logits buffers), then finished; the buffers, the chunk
+sizes per device and the blocked low-precision weight gradient are in `vocab_ce_chunks`.
 """
 from __future__ import annotations
 
@@ -44,16 +48,10 @@ from typing import Optional
 import torch
 
 from ..parallel import comm
-
-# The chunk size when none is given: the largest number of tokens whose fp32 logits fit in this
-# many bytes on the rank with the most classes (the same on every rank: chunk boundaries must
-# agree, since every chunk is one collective).
-AUTO_CHUNK_BYTES = 64 * 2**20
-
-
-def auto_chunk_size(max_local_classes: int) -> int:
-    return max(1, AUTO_CHUNK_BYTES // (4 * max(1, max_local_classes)))
-
+from .vocab_ce_chunks import (  # noqa: F401 - auto_chunk_size is part of this module's interface
+    AUTO_CHUNK_BYTES, ChunkBuffers, add_at_target_, auto_chunk_size, cast_operands, chunk_grads, chunk_stats,
+    finish_combine, start_combine,
+)
 
 @dataclass(frozen=True)
 class CEConfig:
@@ -70,66 +68,56 @@ class CEConfig:
     compute_dtype: torch.dtype  # the matmul dtype: autocast's, else the input's
     grad_wanted: bool = True  # False under no_grad / for frozen inputs: no gradient work at all
     sum_grad_h: bool = True  # False: hand back this rank's partial grad_h (the caller reduces it)
+    # The group ``grad_h`` is summed over (the ranks sharing these tokens); ``group`` when None.
+    grad_group: Optional[comm.ProcessGroup] = None
+    rows: Optional["RowBlocks"] = None  # the tokens are every DP rank's, gathered (classes split over DP too)
+
+    @property
+    def h_group(self):
+        return self.group if self.grad_group is None else self.grad_group
 
 
-def _chunk_stats(zt: torch.Tensor, t_local: torch.Tensor, in_shard: torch.Tensor, smoothing: bool):
-    """Local softmax statistics of fp32 logits ``zt`` (C_local, n), classes-major; leaves
-    ``exp(z - m_local)`` in ``zt``.
+@dataclass(frozen=True)
+class RowBlocks:
+    """The tokens are the concatenation of every DP rank's tokens, ``sizes`` rows each in rank order,
+    and this rank's are block ``rank``. The loss is then this rank's own (the mean over its own
+    tokens), ``h``'s gradient that loss's, and the weight's gradient the DP average of every rank's
+    loss gradient -- what data-parallel averaging makes of a head split over TP only."""
 
-    Returns (4, n): max, sum of exp(z - max), target logit (0 off-shard), sum of logits (0 unless
-    smoothing).
-    """
-    n = zt.shape[1]
-    stats = zt.new_zeros(4, n)
-    if zt.shape[0] == 0:  # a rank with no classes (num_classes < tp) contributes exp(-inf) = 0
-        stats[0].fill_(float("-inf"))
-        return stats
-    stats[0] = zt.amax(dim=0)
-    stats[2] = torch.where(in_shard, zt.gather(0, t_local.unsqueeze(0)).squeeze(0), 0.0)
-    if smoothing:
-        stats[3] = zt.sum(dim=0)
-    zt.sub_(stats[0]).exp_()
-    stats[1] = zt.sum(dim=0)
-    return stats
+    group: Optional[comm.ProcessGroup]
+    sizes: tuple[int, ...]
+    rank: int
 
+    @property
+    def own(self) -> slice:
+        start = sum(self.sizes[: self.rank])
+        return slice(start, start + self.sizes[self.rank])
 
-def _combine(local: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(lse, target logit, sum of logits) per token from every rank's (4, n) statistics."""
-    world = comm.group_size(group)
-    every = comm.all_gather_dim(local, 0, group, [4] * world).view(world, 4, -1)
-    # log(0) = -inf for a rank without classes; logsumexp ignores it.
-    lse = torch.logsumexp(every[:, 0] + every[:, 1].log(), dim=0)
-    return lse, every[:, 2].sum(0), every[:, 3].sum(0)
-
-
-def _logit_grad_(pt: torch.Tensor, scale: torch.Tensor, t_local, in_shard, weight, cfg: CEConfig) -> torch.Tensor:
-    """Turn ``pt * scale`` (C_local, n, fp32; softmax probabilities once scaled) into
-    ``weight[i] * dloss_i/dz`` in place: one pass over the chunk for both factors."""
-    eps = cfg.label_smoothing
-    pt.mul_(scale * weight)
-    if pt.shape[0] == 0:
-        return pt
-    if eps > 0:
-        pt.sub_(weight * (eps / cfg.num_classes))
-    pt.scatter_add_(0, t_local.unsqueeze(0), (-(1.0 - eps) * weight * in_shard).unsqueeze(0))
-    return pt
+    def block_of_rows(self, device) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(len(self.sizes), device=device),
+                                       torch.tensor(self.sizes, device=device))
 
 
 class FusedVocabParallelCE(torch.autograd.Function):
-    """Cross-entropy of ``h @ weight.T + bias`` over classes sharded on TP, fused and chunked.
+    """Cross-entropy of ``h @ weight.T + bias`` over classes sharded on ``cfg.group``, fused and chunked.
 
-    forward collectives: one all-gather of (4, chunk) fp32 statistics per chunk; with the
-    ``"forward"`` strategy and ``h`` requiring grad, one all-reduce (sum) of ``grad_h`` (N, D).
-    backward collectives: ``"forward"``: none; ``"recompute"``: one all-reduce of ``grad_h``.
+    ``target_offset`` (N,) fp32 or None: added to each token's target logit (a margin); its
+    gradient is returned like the others'. With ``cfg.rows`` the tokens are every DP rank's and the
+    result is this rank's block's (see `RowBlocks`).
+
+    forward collectives: one all-gather of (4, chunk) fp32 statistics per chunk over ``cfg.group``;
+    with the ``"forward"`` strategy and ``h`` requiring grad, one all-reduce (sum) of ``grad_h``
+    (N, D) over ``cfg.h_group``. backward collectives: ``"forward"``: none; ``"recompute"``: one
+    all-reduce of ``grad_h``; with ``cfg.rows``, one all-gather of the incoming gradient over DP.
     With ``cfg.sum_grad_h`` off, ``grad_h`` is this rank's partial sum and no all-reduce runs.
     Returns the loss (fp32): a scalar, or (N,) for ``reduction="none"``.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, target, cfg: CEConfig):
+    def forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
         # The matmul dtype was decided by the caller (autocast's, if on); inside, every op is explicit.
         with _no_autocast(h.device.type):
-            return _forward(ctx, h, weight, bias, target, cfg)
+            return _forward(ctx, h, weight, bias, target, target_offset, cfg)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -142,9 +130,10 @@ def _no_autocast(device_type: str):
     return contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
 
 
-def _forward(ctx, h, weight, bias, target, cfg: CEConfig):
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    grads_now = cfg.grad_wanted and cfg.strategy == "forward" and (need_h or need_w or need_b)
+def _forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
+    need_h, need_w, need_b, _, need_off = ctx.needs_input_grad[:5]
+    need_off = need_off and target_offset is not None
+    grads_now = cfg.grad_wanted and cfg.strategy == "forward" and (need_h or need_w or need_b or need_off)
     n_tokens, c_local = h.shape[0], weight.shape[0]
     smoothing = cfg.label_smoothing > 0
 
@@ -154,51 +143,108 @@ def _forward(ctx, h, weight, bias, target, cfg: CEConfig):
     t_local = target - cfg.class_start
     in_shard = valid & (t_local >= 0) & (t_local < c_local)
     t_local = torch.where(in_shard, t_local, 0)
-    count = valid.sum().clamp(min=1).float()  # a tensor: no host synchronisation
-    token_weight = valid.float() / count if cfg.reduction == "mean" else valid.float()
+    token_weight, count = _token_weights(valid, cfg)
     token_weight = token_weight.masked_fill(bad, float("nan"))
+    offset = None if target_offset is None else torch.where(in_shard, target_offset.float(), 0.0)
 
-    hc_all, wc, bc = _cast(h, weight, bias, cfg.compute_dtype)
-    buffer = _logits_buffer(n_tokens, wc, cfg)
+    hc_all, wc, bc = cast_operands(h, weight, bias, cfg.compute_dtype)
+    overlap = comm.group_size(cfg.group) > 1  # two logits slots: one chunk's collective runs under the next's matmul
+    bufs = ChunkBuffers(wc, n_tokens, cfg.chunk_size, 2 if overlap else 1, grads_now and need_w)
     losses = torch.zeros(n_tokens, dtype=torch.float32, device=h.device)
     lse_all = torch.empty(n_tokens, dtype=torch.float32, device=h.device)
+    z_target_all = torch.empty(n_tokens, dtype=torch.float32, device=h.device) if need_off else None
+    grads = (None, None, None)
     if grads_now:
-        grad_h = torch.empty(n_tokens, h.shape[1], dtype=torch.float32, device=h.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
-        grad_b = torch.zeros(c_local, dtype=torch.float32, device=h.device) if need_b else None
+        grads = (torch.empty(n_tokens, h.shape[1], dtype=torch.float32, device=h.device) if need_h else None,
+                 torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None,
+                 torch.zeros(c_local, dtype=torch.float32, device=h.device) if need_b else None)
 
-    for lo in range(0, n_tokens, cfg.chunk_size):
-        hi = min(lo + cfg.chunk_size, n_tokens)
-        hc = hc_all[lo:hi]
-        zt = _logits(hc, wc, bc, buffer)
-        stats = _chunk_stats(zt, t_local[lo:hi], in_shard[lo:hi], smoothing)  # z := exp(z - m_local)
-        lse, z_target, z_sum = _combine(stats, cfg.group)
-        lse_all[lo:hi] = lse
+    def finish(rows: slice, zt, stats, started) -> None:
+        """Everything of a chunk that needs the other ranks' statistics."""
+        lse, z_target, z_sum = finish_combine(started)
+        lse_all[rows] = lse
+        if z_target_all is not None:
+            z_target_all[rows] = z_target
         loss = lse - (1.0 - cfg.label_smoothing) * z_target
         if smoothing:
             loss = loss - (cfg.label_smoothing / cfg.num_classes) * z_sum
-        losses[lo:hi] = torch.where(valid[lo:hi], loss, 0.0)
+        losses[rows] = torch.where(valid[rows], loss, 0.0)
         if grads_now:
             # exp(z - m_local) * exp(m_local - lse) is the softmax.
-            _chunk_grads(zt, torch.exp(stats[0] - lse), t_local[lo:hi], in_shard[lo:hi], token_weight[lo:hi],
-                         hc, wc, lo, hi, (grad_h, grad_w, grad_b), cfg)
-        del zt  # one chunk's logits live at a time (in `buffer`, or freed before the next is made)
+            chunk_grads(zt, torch.exp(stats[0] - lse), t_local[rows], in_shard[rows], token_weight[rows],
+                        hc_all[rows], wc, rows, grads, bufs, cfg.label_smoothing, cfg.num_classes)
 
+    pending = None
+    for index, lo in enumerate(range(0, n_tokens, cfg.chunk_size)):
+        rows = slice(lo, min(lo + cfg.chunk_size, n_tokens))
+        zt = bufs.logits(hc_all[rows], wc, bc, index % len(bufs.fp32))
+        if offset is not None:
+            add_at_target_(zt, t_local[rows], offset[rows])
+        stats = chunk_stats(zt, t_local[rows], in_shard[rows], smoothing)  # z := exp(z - m_local)
+        started = start_combine(stats, cfg.group)
+        if pending is not None:  # the previous chunk's statistics arrived while this chunk's matmul ran
+            finish(*pending)
+        pending = (rows, zt, stats, started)
+        if not overlap:  # one logits slot: the next chunk would overwrite it
+            finish(*pending)
+            pending = None
+    if pending is not None:
+        finish(*pending)
+    grad_h, grad_w, grad_b = grads
+
+    grad_offset = _target_offset_grad(z_target_all, lse_all, token_weight, cfg) if need_off else None
     if grads_now:
         if grad_h is not None and n_tokens and cfg.sum_grad_h:
-            comm.all_reduce_(grad_h, cfg.group)
-        ctx.grads = (grad_h, grad_w, grad_b)
+            comm.all_reduce_(grad_h, cfg.h_group)
+        ctx.grads = (grad_h, grad_w, grad_b, grad_offset)
     else:
         ctx.grads = None
-        ctx.save_for_backward(h, weight, bias, target)
+        ctx.save_for_backward(h, weight, bias, target, offset)
         ctx.lse, ctx.t_local, ctx.in_shard, ctx.token_weight = lse_all, t_local, in_shard, token_weight
-    ctx.cfg, ctx.dtypes = cfg, (h.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.z_target = z_target_all
+    ctx.cfg = cfg
+    ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype,
+                  None if target_offset is None else target_offset.dtype)
 
     losses = losses.masked_fill(bad, float("nan"))
+    if cfg.rows is not None:
+        losses = losses[cfg.rows.own]
     if cfg.reduction == "none":
         return losses
     total = losses.sum()
     return total / count if cfg.reduction == "mean" else total
+
+
+def _target_offset_grad(z_target, lse, token_weight, cfg: CEConfig) -> torch.Tensor:
+    """d loss / d target_offset per token: the target's softmax minus its label weight, times the
+    token's weight (the same on every rank: it needs only the combined statistics)."""
+    eps = cfg.label_smoothing
+    return token_weight * (torch.exp(z_target - lse) - (1.0 - eps) - eps / cfg.num_classes)
+
+
+def _token_weights(valid: torch.Tensor, cfg: CEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d loss / d loss_i per token, this rank's count of counted tokens): the count stays a tensor.
+
+    With row blocks each block is weighted by its own count, as its rank's loss is."""
+    if cfg.rows is None:
+        count = valid.sum().clamp(min=1).float()
+        return (valid.float() / count if cfg.reduction == "mean" else valid.float()), count
+    block = cfg.rows.block_of_rows(valid.device)
+    counts = torch.zeros(len(cfg.rows.sizes), device=valid.device).index_add_(0, block, valid.float()).clamp(min=1)
+    weight = valid.float() / counts[block] if cfg.reduction == "mean" else valid.float()
+    return weight, counts[cfg.rows.rank]
+
+
+def _incoming_per_token(ctx, grad_out) -> torch.Tensor:
+    """The incoming gradient as a per-token factor: a scalar, or with row blocks the factor of every
+    DP rank's tokens (each rank's gradient is for its own block: one all-gather over DP)."""
+    rows = ctx.cfg.rows
+    if rows is None:
+        return grad_out.float()
+    g = grad_out.float().reshape(-1)
+    sizes = [1] * len(rows.sizes) if g.numel() == 1 else list(rows.sizes)
+    every = comm.all_gather_dim(g.contiguous(), 0, rows.group, sizes)
+    return every[rows.block_of_rows(g.device)] if g.numel() == 1 else every
 
 
 def _backward(ctx, grad_out):
@@ -210,100 +256,65 @@ def _backward(ctx, grad_out):
                 "With strategy='forward' the gradients are formed in the forward and handed over once; "
                 "use strategy='recompute' to backward more than once."
             )
-        grads, ctx.grads = ctx.grads, None
+        (grad_h, grad_w, grad_b, grad_off), ctx.grads = ctx.grads, None
+        per_token = _incoming_per_token(ctx, grad_out)
+        shared = grad_out.float() if cfg.rows is None else _one_factor(per_token, cfg.rows) / len(cfg.rows.sizes)
         # In place: these buffers are ours alone, and a second copy of grad_W would cost its size.
-        out = [None if g is None else g.mul_(grad_out).to(dt) for g, dt in zip(grads, ctx.dtypes)]
-        return out[0], out[1], out[2], None, None
+        grads = (
+            None if grad_h is None else grad_h.mul_(per_token.unsqueeze(-1) if per_token.dim() else per_token),
+            None if grad_w is None else grad_w.mul_(shared),
+            None if grad_b is None else grad_b.mul_(shared),
+            None if grad_off is None else grad_off.mul_(per_token),
+        )
+        grads = _cast_grads(grads, ctx.dtypes)
+        return grads[0], grads[1], grads[2], None, grads[3], None
     return _recompute_backward(ctx, grad_out)
+
+
+def _one_factor(per_token: torch.Tensor, rows: "RowBlocks") -> torch.Tensor:
+    """The one incoming factor every DP rank passed; the weight gradient, a sum over every rank's
+    tokens formed in the forward, can only be scaled by one."""
+    if per_token.numel() and not bool((per_token == per_token[0]).all()):
+        raise RuntimeError(
+            "ParallelClassifierHead.loss (shard='world', grad_strategy='forward'): the DP ranks "
+            "backpropagated different factors into their losses; the weight gradient was formed in the forward "
+            "for one common factor. Use grad_strategy='recompute' for per-rank loss weights."
+        )
+    return per_token[0] if per_token.numel() else per_token.new_ones(())
+
+
+def _cast_grads(grads, dtypes):
+    return tuple(None if g is None else g.to(dt) for g, dt in zip(grads, dtypes))
 
 
 def _recompute_backward(ctx, grad_out):
     cfg = ctx.cfg
-    h, weight, bias, target = ctx.saved_tensors
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    h, weight, bias, target, offset = ctx.saved_tensors
+    need_h, need_w, need_b, _, need_off = ctx.needs_input_grad[:5]
     n_tokens = h.shape[0]
     # Per-token weight of d(loss)/d(loss_i), times the incoming gradient (a scalar or one per token).
-    token_weight = ctx.token_weight * grad_out.float()
-    hc_all, wc, bc = _cast(h, weight, bias, cfg.compute_dtype)
-    buffer = _logits_buffer(n_tokens, wc, cfg)
+    token_weight = ctx.token_weight * _incoming_per_token(ctx, grad_out)
+    hc_all, wc, bc = cast_operands(h, weight, bias, cfg.compute_dtype)
+    bufs = ChunkBuffers(wc, n_tokens, cfg.chunk_size, 1, need_w)
     grad_h = torch.empty(n_tokens, h.shape[1], dtype=torch.float32, device=h.device) if need_h else None
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
     grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_b else None
     for lo in range(0, n_tokens, cfg.chunk_size):
-        hi = min(lo + cfg.chunk_size, n_tokens)
-        hc = hc_all[lo:hi]
-        p = _logits(hc, wc, bc, buffer).sub_(ctx.lse[lo:hi]).exp_()
-        _chunk_grads(p, 1.0, ctx.t_local[lo:hi], ctx.in_shard[lo:hi], token_weight[lo:hi],
-                     hc, wc, lo, hi, (grad_h, grad_w, grad_b), cfg)
-        del p  # before the next chunk's logits exist
+        rows = slice(lo, min(lo + cfg.chunk_size, n_tokens))
+        p = bufs.logits(hc_all[rows], wc, bc, 0)
+        if offset is not None:
+            add_at_target_(p, ctx.t_local[rows], offset[rows])
+        p.sub_(ctx.lse[rows]).exp_()
+        chunk_grads(p, 1.0, ctx.t_local[rows], ctx.in_shard[rows], token_weight[rows], hc_all[rows], wc, rows,
+                    (grad_h, grad_w, grad_b), bufs, cfg.label_smoothing, cfg.num_classes)
     if grad_h is not None and n_tokens and cfg.sum_grad_h:
-        comm.all_reduce_(grad_h, cfg.group)
-    h_dt, w_dt, b_dt = ctx.dtypes
-    return (
-        None if grad_h is None else grad_h.to(h_dt),
-        None if grad_w is None else grad_w.to(w_dt),
-        None if grad_b is None else grad_b.to(b_dt),
-        None,
-        None,
-    )
-
-
-def _cast(h, weight, bias, dtype):
-    """Operands in the matmul dtype, cast once per call rather than once per chunk."""
-    return h.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
-
-
-def _logits(hc, wc, bc, buffer: Optional[torch.Tensor]) -> torch.Tensor:
-    """fp32 logits of one chunk, classes-major: (C_local, n), computed in the operands' dtype (as
-    autocast would). Classes-major because ``W h^T`` and the weight gradient ``zt @ h`` are the
-    faster GEMM layouts for these shapes on CPU (MKL) than ``h W^T`` and ``z^T @ h``; reductions
-    over classes become column reductions, equally cheap. fp32 logits land in ``buffer`` (one
-    allocation per call, reused by every chunk: a fresh multi-MiB block per chunk pays its page
-    faults every time)."""
-    shape = (wc.shape[0], hc.shape[0])
-    if wc.dtype == torch.float32 and buffer is not None:
-        out = buffer[: shape[0] * shape[1]].view(shape)
-        return torch.mm(wc, hc.t(), out=out) if bc is None else torch.addmm(bc.unsqueeze(1), wc, hc.t(), out=out)
-    zt = torch.mm(wc, hc.t()) if bc is None else torch.addmm(bc.unsqueeze(1), wc, hc.t())
-    return zt if zt.dtype == torch.float32 else zt.float()
-
-
-def _logits_buffer(n_tokens: int, wc: torch.Tensor, cfg: CEConfig) -> Optional[torch.Tensor]:
-    if wc.dtype != torch.float32 or n_tokens == 0:
-        return None
-    return torch.empty(wc.shape[0] * min(cfg.chunk_size, n_tokens), dtype=torch.float32, device=wc.device)
-
-
-def _chunk_grads(pt, scale, t_local, in_shard, weight, hc, wc, lo, hi, grads, cfg: CEConfig) -> None:
-    """Add one chunk's gradients into the fp32 buffers ``grads = (grad_h, grad_w, grad_b)``.
-
-    ``pt * scale`` (C_local, n, fp32) are the chunk's softmax probabilities; ``weight`` (n,) the
-    per-token factor d(loss)/d(loss_i) (1/n_valid for a mean, times the incoming gradient in the
-    backward). In fp32 the factor is folded into the logit gradient. In a lower-precision matmul
-    dtype it is not: a factor such as 1/n_valid would push small per-logit gradients below fp16's
-    smallest normal number before the loss scale is applied, flushing them to zero. There the
-    matmuls see the unweighted logit gradient (entries in [-1, 1]) and the factor is applied in
-    fp32 afterwards: per row for ``grad_h``, and for ``grad_w`` (a sum over tokens) as the chunk's
-    largest factor times each token's factor relative to it (exactly 0 or 1 for "mean"/"sum").
-    """
-    grad_h, grad_w, grad_b = grads
-    dtype = cfg.compute_dtype
-    if dtype == torch.float32:
-        _logit_grad_(pt, scale, t_local, in_shard, weight, cfg)
-        if grad_b is not None:
-            grad_b.add_(pt.sum(1))
-        if grad_h is not None:
-            torch.mm(pt.t(), wc, out=grad_h[lo:hi])
-        if grad_w is not None:
-            grad_w.addmm_(pt, hc)
-        return
-    _logit_grad_(pt, scale, t_local, in_shard, (weight != 0).float(), cfg)
-    if grad_b is not None:
-        grad_b.add_(pt @ weight)
-    low = pt.to(dtype)
-    if grad_h is not None:
-        grad_h[lo:hi] = torch.mm(low.t(), wc).float().mul_(weight.unsqueeze(1))
-    if grad_w is not None:
-        largest = weight.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)  # NaN stays NaN
-        relative = (weight / largest).to(dtype).unsqueeze(1)
-        grad_w.add_(torch.mm(low, hc * relative).float().mul_(largest))
+        comm.all_reduce_(grad_h, cfg.h_group)
+    if cfg.rows is not None:  # the weight's gradient is the DP average of every rank's loss gradient
+        for g in (grad_w, grad_b):
+            if g is not None:
+                g.div_(len(cfg.rows.sizes))
+    grad_off = None
+    if need_off and offset is not None:
+        grad_off = _target_offset_grad(ctx.z_target, ctx.lse, token_weight, cfg)
+    grads = _cast_grads((grad_h, grad_w, grad_b, grad_off), ctx.dtypes)
+    return grads[0], grads[1], grads[2], None, grads[3], None

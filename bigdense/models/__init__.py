@@ -1,7 +1,9 @@
 """Reference models made only of bigdense layers."""
-from .classifier import ParallelClassifier
+from .classifier import ParallelClassifier, TextClassifier
 from .gpt import GPT, Block, GPTConfig, ParallelSelfAttention
 
-MODELS = ("gpt",)  # model.name values launch/train.py builds (bigdense.train.run_setup.build_gpt)
+# model.name values: "gpt" is built by launch/train.py (bigdense.train.run_setup.build_gpt), "encoder"
+# (the GPT's trunk, pooled, and a big head: TextClassifier) by launch/classify.py
+MODELS = ("gpt", "encoder")
 
-__all__ = ["MODELS", "GPT", "GPTConfig", "Block", "ParallelSelfAttention", "ParallelClassifier"]
+__all__ = ["MODELS", "GPT", "GPTConfig", "Block", "ParallelSelfAttention", "ParallelClassifier", "TextClassifier"]

@@ -1,4 +1,5 @@
-"""A many-class classifier: a small residual MLP backbone and a huge fully connected head.
+"""Many-class classifiers: a small residual MLP backbone or the reference transformer with pooling,
+and a huge fully connected head.
 
 Per TP rank: input features (B, in_features) replicated; ``stem`` an ordinary nn.Linear
 (replicated, it is small); ``blocks`` ParallelMLPs (hidden units split over TP); ``head`` a
@@ -13,6 +14,7 @@ import torch.nn as nn
 
 from ..layers import ParallelClassifierHead, ParallelMLP
 from ..parallel.context import resolve_tp_group
+from .gpt import GPT, add_trunk
 
 
 class ParallelClassifier(nn.Module):
@@ -51,3 +53,39 @@ class ParallelClassifier(nn.Module):
     def predict(self, x: torch.Tensor, k: int = 1):
         """Global top-k (scores, class ids), each (B, k), without gathering the logits."""
         return self.head.predict(self.features(x), k)
+
+
+class TextClassifier(nn.Module):
+    """The reference transformer (the GPT's blocks) with mean pooling and a big classifier head.
+
+    ``forward(idx, target)``: ``idx`` (B, S) token ids, ``target`` (B,) class ids, both replicated
+    over TP; returns the head's mean loss. ``predict(idx, k)``: global top-k (scores, class ids).
+    ``head_options`` go to `ParallelClassifierHead` (``shard``, ``sample_rate``, ``margin``,
+    ``scale``); a margin head has no bias.
+    """
+
+    def __init__(self, cfg, num_classes: int, *, tp_group=None, dp_group=None, **head_options):
+        super().__init__()
+        self.cfg = cfg
+        if cfg.sequence_parallel:
+            raise ValueError("TextClassifier: mean pooling needs the whole sequence on every TP rank; "
+                             "sequence parallelism is not supported (parallel.sequence_parallel=false)")
+        add_trunk(self, cfg, tp_group)
+        tp_group = self.tp_group
+        self.head = ParallelClassifierHead(
+            cfg.d_model, num_classes, bias=head_options.get("margin") is None, chunk_size=cfg.head_chunk_size,
+            init=cfg.init, tp_group=tp_group, dp_group=dp_group, **head_options,
+        )
+
+    # The GPT's trunk, read through the same attribute names: (B, S, d_model), replicated over TP.
+    hidden = GPT.hidden
+
+    def features(self, idx: torch.Tensor) -> torch.Tensor:
+        """Mean over positions of the final normalised hidden states, (B, d_model)."""
+        return self.hidden(idx).mean(dim=1)
+
+    def forward(self, idx: torch.Tensor, target: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.head(self.features(idx), target)
+
+    def predict(self, idx: torch.Tensor, k: int = 1):
+        return self.head.predict(self.features(idx), k)

@@ -186,6 +186,19 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x), seq_len)
 
 
+def add_trunk(module: nn.Module, cfg: GPTConfig, tp_group) -> dict:
+    """Give ``module`` the GPT's trunk, read by `GPT.hidden`: ``tp_group``, ``tok_emb``, ``pos_emb``,
+    ``blocks``, ``ln_f``. Returns the sequence-parallel options the trunk's layers were built with."""
+    module.tp_group = tp_group = resolve_tp_group(tp_group)
+    sp = dict(sequence_parallel=cfg.sequence_parallel, tp_group=tp_group)
+    module.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, init=cfg.init, **sp)
+    module.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+    nn.init.normal_(module.pos_emb.weight, std=0.02)
+    module.blocks = nn.ModuleList(Block(cfg, tp_group) for _ in range(cfg.n_layers))
+    module.ln_f = LayerNorm(cfg.d_model, **sp)
+    return sp
+
+
 class GPT(nn.Module):
     """Decoder-only language model. ``forward(idx, targets)`` returns the mean cross-entropy.
 
@@ -196,13 +209,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, tp_group=None):
         super().__init__()
         self.cfg = cfg
-        self.tp_group = tp_group = resolve_tp_group(tp_group)
-        sp = dict(sequence_parallel=cfg.sequence_parallel, tp_group=tp_group)
-        self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, init=cfg.init, **sp)
-        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        nn.init.normal_(self.pos_emb.weight, std=0.02)
-        self.blocks = nn.ModuleList(Block(cfg, tp_group) for _ in range(cfg.n_layers))
-        self.ln_f = LayerNorm(cfg.d_model, **sp)
+        sp = add_trunk(self, cfg, tp_group)
         self.head = ParallelClassifierHead(
             cfg.d_model, cfg.vocab_size, bias=False, chunk_size=cfg.head_chunk_size, init=cfg.init, **sp
         )

@@ -10,14 +10,14 @@ from .context import (
 from .comm import CollectiveCounts, count_collectives
 from .random import batch_slice, tp_dropout
 from .regions import (
-    copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_sequence,
-    scatter_to_tp,
+    copy_to_tp, gather_batch_from_dp, gather_from_sequence, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence,
+    scatter_to_sequence, scatter_to_tp,
 )
 from .sharding import ShardSpec, shard_range, shard_sizes
 
 __all__ = [
     "ParallelContext", "ParallelDims", "init_parallel", "destroy_parallel", "get_default_context",
-    "set_default_context", "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp",
+    "set_default_context", "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "gather_batch_from_dp",
     "gather_from_sequence", "reduce_scatter_to_sequence", "scatter_to_sequence", "count_collectives", "CollectiveCounts",
     "ShardSpec", "shard_sizes", "shard_range", "tp_dropout", "batch_slice",
 ]

@@ -13,6 +13,9 @@ regions: gather-from-sequence (all-gather forward, reduce-scatter backward) ente
 reduce-scatter-to-sequence (reduce-scatter forward, all-gather backward) leaves it. The column
 projection fuses its entry with its matmul (`column_parallel_linear`) so that the gathered input
 is never saved and its backward collectives overlap the weight-gradient GEMM.
+
+One pair runs over data parallelism: gather_batch_from_dp (all-gather of the batch's rows, whose
+backward reduce-scatters their gradients), for layers whose weights are split over DP as well.
 """
 from __future__ import annotations
 
@@ -79,6 +82,25 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return comm.all_gather_dim(grad, -1, ctx.group, ctx.sizes), None, None
+
+
+class _GatherBatchFromDP(torch.autograd.Function):
+    """forward: all-gather along dim 0 (every DP rank's rows of the batch, uneven allowed);
+    backward: reduce-scatter (sum) along dim 0, each rank keeping the gradient of its own rows.
+
+    For a layer whose parameters are split over the DP ranks too (a world-sharded classifier head):
+    every rank scores every rank's tokens against its own classes, so each rank's gradient of the
+    gathered batch is a partial sum, completed by the reduce-scatter.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return comm.all_gather_dim(x, 0, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.reduce_scatter_dim(grad.contiguous(), 0, ctx.group, ctx.sizes), None, None
 
 
 def _single(group) -> bool:
@@ -274,3 +296,15 @@ def column_parallel_linear(
     if _single(cfg.group) and cfg.seq_sizes is not None:
         cfg = ColumnComm(cfg.group, None, cfg.overlap)
     return _ColumnParallelLinear.apply(x, cfg, *params)
+
+
+def gather_batch_from_dp(
+    x: torch.Tensor, group: Optional[comm.ProcessGroup], sizes: Optional[Sequence[int]] = None
+) -> torch.Tensor:
+    """Concatenate every DP rank's rows (dim 0); the backward sums the gradients over DP and returns
+    each rank its rows. ``sizes``: every rank's row count in rank order (gathered when omitted)."""
+    if _single(group):
+        return x
+    if sizes is None:
+        sizes = comm.all_gather_sizes(x.shape[0], group, x.device)
+    return _GatherBatchFromDP.apply(x, group, tuple(sizes))

@@ -39,14 +39,18 @@ def shard_range(total: int, parts: int, index: int) -> tuple[int, int]:
 class ShardSpec:
     """This rank's parameter is ``global[..., start:stop, ...]`` along ``dim`` of ``global_shape``.
 
-    ``sizes`` is the length along ``dim`` on every rank of the TP group, in rank order, so a reader
-    can place any rank's shard without asking that rank.
+    ``sizes`` is the length along ``dim`` on every rank of the group the tensor is split over, in
+    rank order, so a reader can place any rank's shard without asking that rank. ``group`` says
+    which group that is: ``"tp"`` (the TP group; DP ranks hold replicas) or ``"world"`` (every rank
+    of the TP x DP mesh, ``rank`` being the world rank ``dp_rank * tp + tp_rank``; no replicas, so
+    data parallelism must not reduce it).
     """
 
     dim: int
     global_shape: tuple[int, ...]
     sizes: tuple[int, ...]
     rank: int
+    group: str = "tp"
 
     @property
     def start(self) -> int:

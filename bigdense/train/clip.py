@@ -34,6 +34,12 @@ def is_tp_sharded(param: torch.Tensor) -> bool:
     return shard_spec_of(param) is not None
 
 
+def is_world_sharded(param: torch.Tensor) -> bool:
+    """Whether ``param`` is this rank's shard of a tensor split over every rank of the TP x DP mesh."""
+    spec = shard_spec_of(param)
+    return spec is not None and spec.group == "world"
+
+
 def _check_norm_type(norm_type) -> float:
     try:
         value = float(norm_type)
@@ -52,8 +58,9 @@ def grad_norm(
 ) -> torch.Tensor:
     """The global gradient norm the unsharded model would have (fp32, 0-dim), without clipping.
 
-    What `clip_grad_norm_` measures; see there. One all-reduce of one scalar over ``tp_group``,
-    foreach kernels (a handful of launches whatever the number of parameters), no host sync.
+    What `clip_grad_norm_` measures; see there. One all-reduce of one scalar over ``tp_group`` (and
+    one over the world with world-sharded parameters), foreach kernels (a handful of launches
+    whatever the number of parameters), no host sync.
     """
     norm_type = _check_norm_type(norm_type)
     group = resolve_tp_group(tp_group)
@@ -61,18 +68,30 @@ def grad_norm(
     params = [p for p in every if p.grad is not None]
     # A rank without gradients still joins the all-reduce, on the device its collectives use.
     device = params[0].grad.device if params else (every[0].device if every else torch.device("cpu"))
-    sharded = [p.grad.detach() for p in params if is_tp_sharded(p)]
+    sharded = [p.grad.detach() for p in params if is_tp_sharded(p) and not is_world_sharded(p)]
     replicated = [p.grad.detach() for p in params if not is_tp_sharded(p)]
+    world = [p.grad.detach() for p in params if is_world_sharded(p)]
+    # Which parameters are world-sharded is the model's, the same on every rank: all join or none.
+    world_group = _world() if any(is_world_sharded(p) for p in every) else None
     # Replicated gradients are the same on every TP rank: counted on TP rank 0 only, but as 0 * g
     # elsewhere, so an inf/nan on any rank still poisons the total (0 * inf = nan).
     weight = 1.0 if comm.group_rank(group) == 0 else 0.0
     if math.isinf(norm_type):
         local = torch.maximum(_foreach_max_abs(sharded, device), _foreach_max_abs(replicated, device) * weight)
         # gloo/NCCL MAX may keep or drop a nan depending on operand order; inf survives either way.
+        local = torch.maximum(local, _foreach_max_abs(world, device))
         local = torch.nan_to_num(local, nan=math.inf, posinf=math.inf)
-        return comm.all_reduce_(local, group, op=dist.ReduceOp.MAX)
+        return comm.all_reduce_(comm.all_reduce_(local, group, op=dist.ReduceOp.MAX), world_group,
+                                op=dist.ReduceOp.MAX)
     local = _foreach_power_sum(sharded, norm_type, device) + _foreach_power_sum(replicated, norm_type, device) * weight
-    return comm.all_reduce_(local, group).pow(1.0 / norm_type)
+    total = comm.all_reduce_(local, group)
+    if world_group is not None:  # every world shard is different: summed over the whole mesh
+        total = total + comm.all_reduce_(_foreach_power_sum(world, norm_type, device), world_group)
+    return total.pow(1.0 / norm_type)
+
+
+def _world() -> Optional[dist.ProcessGroup]:
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def _foreach_power_sum(grads: list, norm_type: float, device) -> torch.Tensor:
@@ -103,12 +122,15 @@ def clip_grad_norm_(
     The norm is the one the unsharded model would have. Sharded parameters (those whose layer
     declared a shard spec, `shard_spec_of`) contribute their shard on every TP rank, summed over the TP group;
     TP-replicated parameters (a RowParallelLinear bias, LayerNorm weights) hold the same gradient on
-    every TP rank and are counted once. Tied parameters are counted once. Norms accumulate in fp32
+    every TP rank and are counted once. Parameters split over every rank (a world-sharded classifier
+    head: shard spec ``group="world"``) have no DP replicas: their shards are summed over the whole
+    mesh, so they too count once. Tied parameters are counted once. Norms accumulate in fp32
     whatever the gradients' dtype. ``norm_type`` is any p > 0 or ``inf`` (the largest magnitude).
     ``max_norm`` must be a finite number > 0 (to measure without clipping, use `grad_norm`).
 
     Collectives: one all-reduce of one scalar over ``tp_group`` (SUM for a p-norm, MAX for inf);
-    ``tp_group`` defaults to the default context's. Nothing runs over DP: call this after DP
+    with world-sharded parameters one more over the world. ``tp_group`` defaults to the default
+    context's. Apart from that nothing runs over DP: call this after DP
     gradient averaging (DDP's backward, or an explicit all-reduce), when every DP replica holds the
     same gradients and so computes the same norm and the same clip coefficient. Foreach kernels
     and no host sync: the coefficient is applied on the device.

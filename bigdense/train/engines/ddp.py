@@ -8,6 +8,7 @@ import torch
 
 import torch.distributed as dist
 
+from ...layers.base import named_shard_specs
 from ...parallel import comm
 from ...validation import check_positive
 from ..clip import clip_grad_norm_, grad_norm
@@ -28,7 +29,9 @@ class DDPEngine(Engine):
     """torch ``DistributedDataParallel`` over ``ctx.dp_group`` + AdamW (fp32) + autocast.
 
     Data parallelism: DDP over the DP group only (never the world, which would average across TP
-    shards), and only when ``dp_size > 1``; all micro-batches but the last run under ``no_sync()``,
+    shards), and only when ``dp_size > 1``; parameters split over every rank (shard spec
+    ``group="world"``: a world-sharded classifier head) are left out of its reduction. All
+    micro-batches but the last run under ``no_sync()``,
     so gradients are all-reduced once per step. Then, in order: fp16 unscale (foreach, a local
     found-inf flag), `clip_grad_norm_` with ``optim.grad_clip`` (foreach, one TP all-reduce), one
     world all-reduce agreeing on skipping, the fused AdamW step and the LR schedule (both held on
@@ -59,6 +62,10 @@ class DDPEngine(Engine):
         if ctx.dp_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
+            # A parameter split over every rank (a world-sharded head) has no DP replicas to average.
+            world_sharded = [name for name, spec in named_shard_specs(model).items() if spec.group == "world"]
+            if world_sharded:
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, world_sharded)
             # Buffers (masks, tables) are built alike on every rank: no broadcast before each forward.
             self.wrapped = DistributedDataParallel(
                 model,

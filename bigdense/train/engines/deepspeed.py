@@ -14,6 +14,7 @@ from ..clip import clip_grad_norm_, grad_norm
 from ..precision import any_rank
 from ..schedule import build_lr_schedule
 from . import ds_compat
+from ...layers.base import named_shard_specs
 from .base import Engine, EngineSettings, StepResult, mesh_group, param_groups
 
 _INPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -85,6 +86,13 @@ class DSEngine(Engine):
         super().__init__(model, ctx, settings)
         import deepspeed  # noqa: F401  (fails here, naming the missing package, before any work)
 
+        world_sharded = [name for name, spec in named_shard_specs(model).items() if spec.group == "world"]
+        if world_sharded and ctx.dp_size > 1:
+            raise ValueError(
+                f"engine.kind=deepspeed cannot hold parameters split over every rank ({', '.join(world_sharded)}: "
+                "a head with shard='world'): ZeRO would average their gradients over DP, mixing different "
+                "classes' rows; use engine=ddp, or shard='tp'"
+            )
         mpu = ds_compat.DeepSpeedMPU(ctx)
         dtype, optim_cfg = self.precision_name, settings.optim
         stage = int(settings.engine.zero_stage)

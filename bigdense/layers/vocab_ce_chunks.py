@@ -1,0 +1,163 @@
+"""The per-chunk work of the fused vocab-parallel cross-entropy, and the buffers it reuses.
+
+`ChunkBuffers` holds everything of chunk size or larger that the loss needs, allocated once per
+call and reused by every chunk: the fp32 logits (two slots when a collective can overlap the next
+chunk's matmul), the low-precision matmul output of an autocast (bf16/fp16) run, and a block of
+weight-gradient rows. So a bf16 call allocates nothing per chunk, and the fp32 weight gradient is
+accumulated block by block, never through a temporary of the weight's size.
+
+Chunk sizes are per device: the largest number of tokens whose fp32 logits fit in
+`AUTO_CHUNK_BYTES` (64 MiB on CPU, sized for its caches; 512 MiB elsewhere), on GPUs rounded down
+to a multiple of 128 tokens (the tile of tensor-core GEMMs).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..parallel import comm
+
+AUTO_CHUNK_BYTES = {"cpu": 64 * 2**20, "default": 512 * 2**20}
+GPU_TOKEN_MULTIPLE = 128
+WEIGHT_GRAD_BLOCK_BYTES = 16 * 2**20  # rows of the weight gradient formed at once in low precision
+
+
+def auto_chunk_size(max_local_classes: int, device_type: str = "cpu") -> int:
+    """Tokens per chunk for a rank group whose largest shard has ``max_local_classes`` classes (the
+    same on every rank: every chunk is one collective, so boundaries must agree)."""
+    budget = AUTO_CHUNK_BYTES.get(device_type, AUTO_CHUNK_BYTES["default"])
+    tokens = max(1, budget // (4 * max(1, max_local_classes)))
+    if device_type == "cpu":
+        return tokens
+    return max(GPU_TOKEN_MULTIPLE, tokens // GPU_TOKEN_MULTIPLE * GPU_TOKEN_MULTIPLE)
+
+
+class ChunkBuffers:
+    """Reused buffers of one call for ``wc`` (C_local, D) and chunks of up to ``chunk`` tokens."""
+
+    def __init__(self, wc: torch.Tensor, n_tokens: int, chunk: int, slots: int, weight_grad: bool):
+        self.c_local, width = wc.shape
+        self.chunk = max(1, min(chunk, n_tokens))
+        size = self.c_local * self.chunk
+        self.fp32 = [torch.empty(size, dtype=torch.float32, device=wc.device) for _ in range(slots)]
+        self.low = None if wc.dtype == torch.float32 else torch.empty(size, dtype=wc.dtype, device=wc.device)
+        self.block_rows = max(1, WEIGHT_GRAD_BLOCK_BYTES // max(1, width * wc.element_size()))
+        self.block = None
+        if weight_grad and self.low is not None:
+            self.block = torch.empty(min(self.block_rows, self.c_local), width, dtype=wc.dtype, device=wc.device)
+
+    def logits(self, hc, wc, bc, slot: int) -> torch.Tensor:
+        """fp32 logits of one chunk, classes-major (C_local, n), computed in the operands' dtype (as
+        autocast would). Classes-major because ``W h^T`` and the weight gradient ``zt @ h`` are the
+        faster GEMM layouts for these shapes on CPU (MKL) than ``h W^T`` and ``z^T @ h``; reductions
+        over classes become column reductions, equally cheap. Into the reused buffers: a fresh
+        multi-MiB block per chunk pays its page faults every time."""
+        shape = (self.c_local, hc.shape[0])
+        out = self.fp32[slot][: shape[0] * shape[1]].view(shape)
+        target = out if self.low is None else self.low[: shape[0] * shape[1]].view(shape)
+        if bc is None:
+            torch.mm(wc, hc.t(), out=target)
+        else:
+            torch.addmm(bc.unsqueeze(1), wc, hc.t(), out=target)
+        return out if self.low is None else out.copy_(target)
+
+    def low_copy(self, pt: torch.Tensor) -> torch.Tensor:
+        """``pt`` in the matmul dtype, in the low-precision buffer (free once a chunk's logits are fp32)."""
+        return self.low[: pt.numel()].view(pt.shape).copy_(pt)
+
+
+def chunk_stats(zt: torch.Tensor, t_local: torch.Tensor, in_shard: torch.Tensor, smoothing: bool):
+    """Local softmax statistics of fp32 logits ``zt`` (C_local, n), classes-major; leaves
+    ``exp(z - m_local)`` in ``zt``.
+
+    Returns (4, n): max, sum of exp(z - max), target logit (0 off-shard), sum of logits (0 unless
+    smoothing).
+    """
+    n = zt.shape[1]
+    stats = zt.new_zeros(4, n)
+    if zt.shape[0] == 0:  # a rank with no classes (num_classes < tp) contributes exp(-inf) = 0
+        stats[0].fill_(float("-inf"))
+        return stats
+    stats[0] = zt.amax(dim=0)
+    stats[2] = torch.where(in_shard, zt.gather(0, t_local.unsqueeze(0)).squeeze(0), 0.0)
+    if smoothing:
+        stats[3] = zt.sum(dim=0)
+    zt.sub_(stats[0]).exp_()
+    stats[1] = zt.sum(dim=0)
+    return stats
+
+
+def start_combine(local: torch.Tensor, group) -> comm.Pending:
+    """Start gathering every rank's (4, n) statistics; `finish_combine` waits for them. In between,
+    the caller computes the next chunk's logits, so the collective overlaps that matmul."""
+    return comm.all_gather_dim_start(local, 0, group, [4] * comm.group_size(group))
+
+
+def finish_combine(started: comm.Pending) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(lse, target logit, sum of logits) per token, combined in rank order (the same on every rank)."""
+    every = started.wait()
+    every = every.view(-1, 4, every.shape[-1])
+    # log(0) = -inf for a rank without classes; logsumexp ignores it.
+    lse = torch.logsumexp(every[:, 0] + every[:, 1].log(), dim=0)
+    return lse, every[:, 2].sum(0), every[:, 3].sum(0)
+
+
+def add_at_target_(zt: torch.Tensor, t_local: torch.Tensor, offset: torch.Tensor) -> None:
+    """Add ``offset`` (n,) to each token's target logit in ``zt`` (C_local, n); 0 off-shard."""
+    if zt.shape[0]:
+        zt.scatter_add_(0, t_local.unsqueeze(0), offset.unsqueeze(0))
+
+
+def logit_grad_(pt: torch.Tensor, scale, t_local, in_shard, weight, eps: float, num_classes: int) -> torch.Tensor:
+    """Turn ``pt * scale`` (C_local, n, fp32; softmax probabilities once scaled) into
+    ``weight[i] * dloss_i/dz`` in place: one pass over the chunk for both factors."""
+    pt.mul_(scale * weight)
+    if pt.shape[0] == 0:
+        return pt
+    if eps > 0:
+        pt.sub_(weight * (eps / num_classes))
+    pt.scatter_add_(0, t_local.unsqueeze(0), (-(1.0 - eps) * weight * in_shard).unsqueeze(0))
+    return pt
+
+
+def chunk_grads(pt, scale, t_local, in_shard, weight, hc, wc, rows: slice, grads, bufs: ChunkBuffers,
+                eps: float, num_classes: int) -> None:
+    """Add one chunk's gradients into the fp32 buffers ``grads = (grad_h, grad_w, grad_b)``.
+
+    ``pt * scale`` (C_local, n, fp32) are the chunk's softmax probabilities; ``weight`` (n,) the
+    per-token factor d(loss)/d(loss_i). In fp32 the factor is folded into the logit gradient. In a
+    lower-precision matmul dtype it is not: a factor such as 1/n_valid would push small per-logit
+    gradients below fp16's smallest normal number, flushing them to zero. There the matmuls see the
+    unweighted logit gradient (entries in [-1, 1]) and the factor is applied in fp32 afterwards: per
+    row for ``grad_h``, and for ``grad_w`` (a sum over tokens) as the chunk's largest factor times
+    each token's factor relative to it; ``grad_w`` is then formed ``bufs.block_rows`` rows at a time.
+    """
+    grad_h, grad_w, grad_b = grads
+    if wc.dtype == torch.float32:
+        logit_grad_(pt, scale, t_local, in_shard, weight, eps, num_classes)
+        if grad_b is not None:
+            grad_b.add_(pt.sum(1))
+        if grad_h is not None:
+            torch.mm(pt.t(), wc, out=grad_h[rows])
+        if grad_w is not None:
+            grad_w.addmm_(pt, hc)
+        return
+    logit_grad_(pt, scale, t_local, in_shard, (weight != 0).float(), eps, num_classes)
+    if grad_b is not None:
+        grad_b.addmv_(pt, weight)
+    low = bufs.low_copy(pt)
+    if grad_h is not None:
+        grad_h[rows] = torch.mm(low.t(), wc).float().mul_(weight.unsqueeze(1))
+    if grad_w is not None:
+        largest = weight.abs().amax().clamp(min=torch.finfo(torch.float32).tiny)  # NaN stays NaN
+        scaled_h = hc * (weight / largest).to(hc.dtype).unsqueeze(1)
+        for r0 in range(0, low.shape[0], bufs.block_rows):
+            r1 = min(r0 + bufs.block_rows, low.shape[0])
+            block = torch.mm(low[r0:r1], scaled_h, out=bufs.block[: r1 - r0])
+            grad_w[r0:r1].addcmul_(block, largest)
+
+
+def cast_operands(h, weight, bias, dtype) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Operands in the matmul dtype, cast once per call rather than once per chunk."""
+    return h.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)

@@ -1,0 +1,430 @@
+"""Extreme classification with ParallelClassifierHead: margin softmax against InsightFace's formulas,
+sampled softmax against the full softmax over the same classes, world sharding against TP-only and
+unsharded, layout-independent sampling, bad input. Every reference is written here, on full logits."""
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bigdense as bd
+from bigdense.layers.sampling import keep_hash, sampled_class_mask
+from bigdense.parallel.random import draw_seed
+from bigdense.testing import run_ranks
+from helpers import assert_close
+
+D, C, N = 8, 37, 12  # 37 classes: uneven over 2, 3 and 4 ranks
+# fp32, softmax-scaled cosines (scale up to 64): logits reach |64|, and the sharded loss sums in a
+# different order (per-rank partial sums, chunked grad_W) -- a few ulps of values of that size.
+FP32 = dict(rtol=1e-5, atol=1e-5)
+# Margin heads at scale 64: two fp32 computations of a cosine differ by an ulp (6e-8) and the logit
+# by 64 times that; the softmax (and the gradient) sees differences of logits of size ~100 summed
+# in a different order over shards and chunks: measured up to 7e-5 relative on single gradient
+# entries, so one decade above fp32's bound.
+MARGIN = dict(rtol=1e-4, atol=1e-4)
+
+
+# ---- independent references ----
+def insightface_logits(h, w, target, s, m1, m2, m3):
+    """InsightFace's CombinedMarginLoss / ArcFace, on full logits: cos, the target's margin (with
+    ArcFace's ``theta > pi - m`` fallback ``cos - sin(pi - m) * m``), times s."""
+    cos = F.normalize(h) @ F.normalize(w).t()
+    rows = torch.arange(h.shape[0])
+    valid = target != -100
+    t = cos[rows[valid], target[valid]]
+    if m1 == 1.0 and m3 == 0.0:  # ArcFace, as losses.ArcFace computes it
+        sin = torch.sqrt((1.0 - t * t).clamp_min(1e-12))
+        cos_m = t * math.cos(m2) - sin * math.sin(m2)
+        final = torch.where(t > math.cos(math.pi - m2), cos_m, t - math.sin(math.pi - m2) * m2)
+    elif m1 == 1.0 and m2 == 0.0:  # CosFace
+        final = t - m3
+    else:  # the combined form (InsightFace's MXNet one), with ArcFace's fallback past m1 * theta + m2 = pi
+        combined = torch.cos(m1 * torch.acos(t) + m2) - m3
+        final = torch.where(m1 * torch.acos(t) + m2 < math.pi, combined, t - m3 - math.sin(math.pi - m2) * m2)
+    cos = cos.index_put((rows[valid], target[valid]), final)
+    return cos * s
+
+
+def murmur_keep(seed, c):
+    """keep_hash in plain Python integers (murmur3's fmix32, twice)."""
+    def fmix(x):
+        x ^= x >> 16
+        x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+        x ^= x >> 13
+        x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+    return fmix(fmix((c & 0xFFFFFFFF) ^ (seed & 0xFFFFFFFF)) ^ ((seed >> 32) & 0xFFFFFFFF) ^ (c >> 32))
+
+
+def batch(seed, n=N, c=C, ignore=True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(c, D, generator=g)
+    h = torch.randn(n, D, generator=g)
+    target = torch.randint(0, c, (n,), generator=g)
+    if ignore:
+        target[3] = -100
+    return w, h, target
+
+
+def reference(w, h, target, *, margin=None, classes=None, eps=0.0, bias=None):
+    """Loss and grads (h, w, b) of F.cross_entropy on full logits, optionally restricted to ``classes``."""
+    w, h = w.clone().requires_grad_(), h.clone().requires_grad_()
+    b = None if bias is None else bias.clone().requires_grad_()
+    if margin is None:
+        z = F.linear(h, w, b)
+    else:
+        z = insightface_logits(h, w, target, 64.0, *margin)
+    t = target
+    if classes is not None:  # the softmax over the given classes only, targets renumbered
+        z = z[:, classes]
+        remap = torch.full((w.shape[0],), -100, dtype=torch.long)
+        remap[classes] = torch.arange(len(classes))
+        t = torch.where(target >= 0, remap[target.clamp(min=0)], -100)
+    loss = F.cross_entropy(z, t, label_smoothing=eps)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad, None if b is None else b.grad
+
+
+# ---- margin ----
+@pytest.mark.parametrize("margin,tp", [("arcface", 1), ("cosface", 2), ((1.0, 0.3, 0.2), 1), ((1.2, 0.2, 0.0), 2)])
+def test_margin_matches_insightface(margin, tp):
+    run_ranks(_margin_case, tp, margin)
+
+
+def _margin_case(margin):
+    bd.init_parallel(tp=torch.distributed.get_world_size())
+    w, h, target = batch(1)
+    # Tokens pointing away from their class (theta near pi) exercise ArcFace's theta + m > pi branch.
+    h[0], h[5] = -w[target[0]] + 0.03, -w[target[5]] + 0.1  # (not exactly -w: acos is not differentiable at -1)
+    m = bd.layers.margin.MARGINS[margin] if isinstance(margin, str) else margin
+    for strategy in ("forward", "recompute"):
+        head = bd.ParallelClassifierHead(D, C, bias=False, margin=margin, chunk_size=5, grad_strategy=strategy)
+        with torch.no_grad():
+            head.weight.copy_(head.shard_spec("weight").slice_of(w))
+        hh = h.clone().requires_grad_()
+        loss = head.loss(hh, target)
+        loss.backward()
+        ref = reference(w, h, target, margin=m)
+        what = f"margin={margin} {strategy}"
+        assert_close(loss, ref[0], f"{what} loss", **MARGIN)
+        assert_close(hh.grad, ref[1], f"{what} grad h", **MARGIN)
+        assert_close(head.weight.grad, head.shard_spec("weight").slice_of(ref[2]), f"{what} grad W", **MARGIN)
+    scores, ids = head.predict(h, k=3)
+    cos = F.normalize(h) @ F.normalize(w).t()
+    assert torch.equal(ids, cos.topk(3).indices), "a margin head's predict ranks by cosine"
+    assert_close(scores, 64.0 * cos.topk(3).values, "predict scores are scale * cos", **MARGIN)
+
+
+# ---- sampling ----
+def test_keep_hash_is_murmur_and_uniform():
+    seed = 0x5DEECE66D1234567
+    classes = torch.tensor([0, 1, 2, 99, 2**31 - 1, 2**32 + 5])
+    assert keep_hash(seed, classes).tolist() == [murmur_keep(seed, int(c)) for c in classes]
+    kept = (keep_hash(seed, torch.arange(200_000)) < int(0.1 * 2**32)).float().mean().item()
+    # Bernoulli(0.1) over 2e5 classes: sd = sqrt(0.09 / 2e5) = 6.7e-4; allow 5 sd.
+    assert abs(kept - 0.1) < 5 * 6.7e-4
+
+
+def test_sampled_mask_holds_every_target():
+    target = torch.tensor([5, 5, 36, -100, 0])
+    mask = sampled_class_mask(123, target, 0, C, 1e-9)
+    assert mask.nonzero().squeeze(1).tolist() == [0, 5, 36]
+    assert sampled_class_mask(123, target, 30, C, 1e-9).nonzero().squeeze(1).tolist() == [6]
+
+
+def _sampled_case(rate, eps, shard, tp):
+    world = torch.distributed.get_world_size()
+    bd.init_parallel(tp=tp)
+    ctx = bd.get_default_context()
+    w, h, target = batch(2, n=N * ctx.dp_size)
+    rows = slice(ctx.dp_rank * N, (ctx.dp_rank + 1) * N)
+    bias = torch.randn(C, generator=torch.Generator().manual_seed(9))
+    for strategy in ("forward", "recompute"):
+        torch.manual_seed(77)
+        head = bd.ParallelClassifierHead(D, C, shard=shard, sample_rate=rate, chunk_size=5, grad_strategy=strategy)
+        with torch.no_grad():
+            head.weight.copy_(head.shard_spec("weight").slice_of(w))
+            head.bias.copy_(head.shard_spec("bias").slice_of(bias))
+        torch.manual_seed(1000)
+        hh = h[rows].clone().requires_grad_()
+        loss = head.loss(hh, target[rows], label_smoothing=eps)
+        loss.backward()
+        # The reference draws the seed the head draws, from the same generator state.
+        torch.manual_seed(1000)
+        classes = sampled_class_mask(draw_seed(), target, 0, C, rate).nonzero().squeeze(1)
+        ref = reference(w, h[rows], target[rows], classes=classes, eps=eps, bias=bias)
+        # Weight grads: DDP would average the DP ranks' gradients of their own losses.
+        ref_w = torch.stack([reference(w, h[d * N:(d + 1) * N], target[d * N:(d + 1) * N], classes=classes,
+                                       eps=eps, bias=bias)[2] for d in range(ctx.dp_size)]).mean(0)
+        what = f"rate={rate} eps={eps} shard={shard} tp={tp} world={world} {strategy}"
+        assert_close(loss, ref[0], f"{what} loss", **FP32)
+        assert_close(hh.grad, ref[1], f"{what} grad h", **FP32)
+        grad_w = head.weight.grad
+        if head.shard == "tp" and ctx.dp_size > 1:
+            torch.distributed.all_reduce(grad_w, group=ctx.dp_group)
+            grad_w /= ctx.dp_size
+        assert_close(grad_w, head.shard_spec("weight").slice_of(ref_w), f"{what} grad W", **FP32)
+        unsampled = torch.ones(C, dtype=torch.bool)
+        unsampled[classes] = False
+        assert not head.shard_spec("weight").slice_of(ref_w)[head.shard_spec("weight").slice_of(unsampled)].any()
+    return len(classes)
+
+
+def test_sampled_softmax_equals_full_softmax_on_its_classes():
+    run_ranks(_sampled_case, 1, 1.0, 0.0, "tp", 1)  # r = 1: every class, the plain loss
+    counts = run_ranks(_sampled_case, 2, 0.3, 0.1, "tp", 2)
+    assert 0 < counts[0] < C and counts[0] == counts[1]
+
+
+@pytest.mark.parametrize("tp,world", [(4, 4), (1, 2), (2, 4)])
+def test_sampling_and_world_sharding_at_every_layout(tp, world):
+    # The same classes, loss and gradients at tp 1/2/4 x dp 1/2, TP- and world-sharded: each run
+    # is checked against the same single-process reference on the global batch.
+    for shard in ("tp", "world"):
+        if shard == "world" and world == tp:
+            continue
+        run_ranks(_sampled_case, world, 0.3, 0.0, shard, tp)
+
+
+# ---- world sharding ----
+def _world_case(margin, reduction):
+    bd.init_parallel(tp=1)
+    ctx = bd.get_default_context()
+    w, h, target = batch(3, n=N * ctx.dp_size)
+    rows = slice(ctx.dp_rank * N, (ctx.dp_rank + 1) * N)
+    grads = {}
+    for shard in ("tp", "world"):
+        head = bd.ParallelClassifierHead(D, C, bias=False, shard=shard, margin=margin, chunk_size=5)
+        with torch.no_grad():
+            head.weight.copy_(head.shard_spec("weight").slice_of(w))
+        hh = h[rows].clone().requires_grad_()
+        loss = head.loss(hh, target[rows], reduction=reduction)
+        (loss * torch.arange(loss.numel()).view(loss.shape) if reduction == "none" else loss).sum().backward()
+        grad_w = head.weight.grad
+        if shard == "tp":  # DDP's average
+            torch.distributed.all_reduce(grad_w, group=ctx.dp_group)
+            grad_w /= ctx.dp_size
+        grads[shard] = (loss.detach(), hh.grad, grad_w, head.shard_spec("weight"))
+    (l_tp, gh_tp, gw_tp, spec_tp), (l_w, gh_w, gw_w, spec_w) = grads["tp"], grads["world"]
+    assert spec_w.group == "world" and len(spec_w.sizes) == ctx.world_size and spec_tp.group == "tp"
+    tol = FP32 if margin is None else MARGIN
+    assert_close(l_w, l_tp, "world loss vs tp", **tol)
+    assert_close(gh_w, gh_tp, "world grad h vs tp", **tol)
+    # tp=1: the TP-sharded head holds every class, so its DDP-averaged gradient is the full one.
+    assert_close(gw_w, spec_w.slice_of(gw_tp), "world grad W vs DDP-averaged tp", **tol)
+
+
+@pytest.mark.parametrize("margin,reduction", [(None, "mean"), ("arcface", "sum"), (None, "none")])
+def test_world_sharded_head_equals_tp_head_under_ddp(margin, reduction):
+    run_ranks(_world_case, 2, margin, reduction)
+
+
+# ---- bad input ----
+def test_bad_options_name_the_option():
+    for kwargs, words in (
+        (dict(sample_rate=0.0), "sample_rate must be in (0, 1]"),
+        (dict(sample_rate=1.5), "sample_rate must be in (0, 1]"),
+        (dict(margin="sphereface", bias=False), "margin must be None, one of ['arcface', 'cosface']"),
+        (dict(margin=(1.0, 0.5)), "margin must be None"),
+        (dict(margin="arcface"), "pass bias=False"),
+        (dict(margin="cosface", bias=False, scale=0.0), "scale must be a positive number"),
+        (dict(shard="dp"), "shard must be one of ['tp', 'world']"),
+    ):
+        with pytest.raises(ValueError) as err:
+            bd.ParallelClassifierHead(D, C, **{"bias": True, **kwargs})
+        assert words in str(err.value) and "ParallelClassifierHead(in_features=8, num_classes=37)" in str(err.value)
+
+
+def test_world_without_dp_runs_as_tp_with_a_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        head = bd.ParallelClassifierHead(D, C, shard="world", sample_rate=0.5)
+    assert head.shard == "tp" and any("runs as shard='tp'" in str(w.message) for w in caught)
+    w, h, target = batch(4)
+    with pytest.raises(ValueError, match="label 40 is outside"):
+        head.loss(h, torch.where(target == -100, 40, target))
+
+
+# ---- engines, clipping ----
+class _HeadNet(torch.nn.Module):
+    """A replicated layer and a big head: ``loss = head(tanh(fc(x)), y)``."""
+
+    def __init__(self, shard, margin=None):
+        super().__init__()
+        self.fc = torch.nn.Linear(D, D)
+        self.head = bd.ParallelClassifierHead(D, C, bias=margin is None, shard=shard, margin=margin, sample_rate=0.5)
+
+    def forward(self, x, y):
+        return self.head(torch.tanh(self.fc(x)), y)
+
+
+def _train_both_modes(steps, margin):
+    from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
+
+    bd.init_parallel(tp=1)
+    ctx = bd.get_default_context()
+    out = {}
+    for shard in ("tp", "world"):
+        torch.manual_seed(0)
+        model = _HeadNet(shard, margin)
+        engine = bd.build_engine(model, ctx, engine_cfg=EngineConfig(kind="ddp"),
+                                 optim_cfg=OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=0.05),
+                                 precision_cfg=PrecisionConfig(), micro_batch_size=4, grad_accum=2, max_steps=steps)
+        ignored = getattr(engine.wrapped, "parameters_to_ignore", set())
+        assert ("head.weight" in ignored) == (shard == "world"), ignored
+        norms = []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            batches = [(torch.randn(8, D, generator=g), torch.randint(0, C, (8,), generator=g)) for _ in range(2)]
+            torch.manual_seed(100 + step)  # the sampling seed's stream, alike in both modes
+            result = engine.train_step([(x[ctx.dp_rank * 4:(ctx.dp_rank + 1) * 4], y[ctx.dp_rank * 4:(ctx.dp_rank + 1) * 4])
+                                        for x, y in batches])
+            norms.append(result.grad_norm)
+        out[shard] = (norms, model.head.to_dense().weight, model.fc.weight.detach().clone(),
+                      engine.optimizer.state[model.head.weight]["exp_avg"].clone(), model.head.shard_spec("weight"))
+    (n_tp, w_tp, fc_tp, m_tp, spec_tp), (n_w, w_w, fc_w, m_w, spec_w) = out["tp"], out["world"]
+    # Clipping bites (norms ~1 against 0.05): a norm counting the world shards twice or on one rank
+    # only would scale every update differently and move the weights by far more than this.
+    assert_close(torch.tensor(n_w), torch.tensor(n_tp), "grad norms, world vs tp", rtol=1e-5, atol=0)
+    assert_close(w_w, w_tp, "head weight after training, world vs tp", rtol=1e-5, atol=1e-6)
+    assert_close(fc_w, fc_tp, "replicated layer after training, world vs tp", rtol=1e-5, atol=1e-6)
+    assert m_w.shape == spec_w.local_shape and spec_w.group == "world"
+
+
+@pytest.mark.parametrize("margin", [None, "cosface"])
+def test_ddp_training_reaches_the_same_weights_world_or_tp(margin):
+    run_ranks(_train_both_modes, 2, 4, margin)
+
+
+def _deepspeed_refuses_world():
+    from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
+
+    bd.init_parallel(tp=1)
+    with pytest.raises(ValueError, match="engine=ddp, or shard='tp'"):
+        bd.build_engine(_HeadNet("world"), bd.get_default_context(), engine_cfg=EngineConfig(kind="deepspeed"),
+                        optim_cfg=OptimConfig(), precision_cfg=PrecisionConfig(), micro_batch_size=4, max_steps=1)
+
+
+def test_deepspeed_refuses_a_world_sharded_head():
+    run_ranks(_deepspeed_refuses_world, 2)
+
+
+# ---- checkpoints ----
+def _save_world(path):
+    """tp=2 x dp=2, the head world-sharded (37 classes over 4 ranks: 10, 9, 9, 9): two AdamW steps."""
+    bd.init_parallel(tp=2)
+    torch.manual_seed(0)
+    model = _HeadNet("world", margin="arcface")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ctx = bd.get_default_context()
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, D, generator=g), torch.randint(0, C, (8,), generator=g)
+        model(x[ctx.dp_rank * 4:(ctx.dp_rank + 1) * 4], y[ctx.dp_rank * 4:(ctx.dp_rank + 1) * 4]).backward()
+        for p in model.fc.parameters():  # what DDP does for the replicated layer
+            torch.distributed.all_reduce(p.grad, group=ctx.dp_group)
+            p.grad /= ctx.dp_size
+        opt.step()
+        opt.zero_grad()
+    bd.save_checkpoint(path, model, opt, step=2)
+    spec = model.head.shard_spec("weight")
+    assert spec.group == "world" and spec.sizes == (10, 9, 9, 9)
+    return model.head.to_dense().weight, _full_moment(model, opt, spec)
+
+
+def _full_moment(model, opt, spec):
+    from bigdense.parallel import comm
+
+    # (the head's group is the one its classes are split over: the world, or the TP group)
+    return comm.all_gather_dim(opt.state[model.head.weight]["exp_avg"], 0, model.head.tp_group, spec.sizes).clone()
+
+
+def _load(path, shard, tp):
+    bd.init_parallel(tp=tp)
+    torch.manual_seed(123)  # other values, so a load that does nothing fails
+    model = _HeadNet(shard, margin="arcface")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    bd.load_checkpoint(path, model, opt)
+    return model.head.to_dense().weight, _full_moment(model, opt, model.head.shard_spec("weight"))
+
+
+@pytest.mark.slow  # four ranks on two cores: ~30 s
+def test_world_sharded_checkpoint_reshards_to_tp_and_unsharded(tmp_path):
+    weight, moment = run_ranks(_save_world, 4, tmp_path / "w")[0]
+    for w, m in run_ranks(_load, 2, tmp_path / "w", "tp", 2):  # TP-sharded at 2
+        assert torch.equal(w, weight) and torch.equal(m, moment)
+    w, m = _load(tmp_path / "w", "tp", 1)  # one process, unsharded
+    assert torch.equal(w, weight) and torch.equal(m, moment)
+
+
+# ---- the GPU-shaped fused loss: buffers, chunk sizes, overlap (counted on CPU) ----
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every new storage an op creates (bytes) and the op sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.sizes, self.ops = set(), [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((str(func.overloadpacket), tuple(out.shape) if isinstance(out, torch.Tensor) else None))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.seen:
+                self.seen.add(t.untyped_storage().data_ptr())
+                self.sizes.append(t.untyped_storage().nbytes())
+        return out
+
+
+def _big_allocations(chunks, dtype):
+    # Many classes, a narrow width: a chunk's bf16 logits (4 KB) outweigh any per-token tensor (at
+    # most 16 chunks x 4 tokens x 8 wide x 4 bytes = 2 KB) and any per-class vector (2 KB), so only
+    # chunk-sized and weight-sized (16 KB) buffers reach it.
+    classes, width, chunk = 512, 8, 4
+    torch.manual_seed(0)
+    head = bd.ParallelClassifierHead(width, classes, chunk_size=chunk)
+    h = torch.randn(chunks * chunk, width, requires_grad=True)
+    target = torch.randint(0, classes, (chunks * chunk,))
+    with _Allocations() as seen, torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        head.loss(h, target).backward()
+    weight_sized = sum(1 for b in seen.sizes if b >= classes * width * 2)
+    logits_sized = sum(1 for b in seen.sizes if b > classes * 4)
+    return weight_sized, logits_sized
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_loss_allocates_nothing_per_chunk(dtype):
+    # Buffers of a chunk's logits or the weight's size are made once per call, however many chunks:
+    # doubling the chunks must not add one (a per-chunk bf16 logits tensor, its fp32 copy or a
+    # weight-sized product for the fp32 gradient each would add one per chunk).
+    assert _big_allocations(8, dtype) == _big_allocations(16, dtype)
+
+
+def test_chunk_sizes_per_device():
+    from bigdense.layers.vocab_ce_chunks import auto_chunk_size
+
+    assert auto_chunk_size(125_000, "cpu") == 64 * 2**20 // (4 * 125_000)  # 134: cache-sized on CPU
+    for classes in (1000, 125_000, 10_000_000):
+        tokens = auto_chunk_size(classes, "cuda")
+        assert tokens % 128 == 0 and tokens >= 128 and (tokens == 128 or tokens * classes * 4 <= 512 * 2**20)
+
+
+def _overlap_order():
+    bd.init_parallel(tp=2)
+    classes, width, chunk, chunks = 64, 16, 4, 3
+    torch.manual_seed(0)
+    head = bd.ParallelClassifierHead(width, classes, chunk_size=chunk)
+    h, target = torch.randn(chunks * chunk, width, requires_grad=True), torch.randint(0, classes, (chunks * chunk,))
+    with _Allocations() as seen:
+        head.loss(h, target)
+    logits = [i for i, (op, shape) in enumerate(seen.ops) if op in ("aten.mm", "aten.addmm") and shape == (32, chunk)]
+    gathers = [i for i, (op, _) in enumerate(seen.ops) if "allgather" in op]
+    combined = [i for i, (op, _) in enumerate(seen.ops) if op == "aten.logsumexp"]
+    assert len(logits) == len(gathers) == len(combined) == chunks, (logits, gathers, combined)
+    for k in range(chunks - 1):
+        # chunk k's statistics are gathered before chunk k+1's matmul and used only after it
+        assert gathers[k] < logits[k + 1] < combined[k]
+
+
+def test_statistics_all_gather_overlaps_the_next_chunks_matmul():
+    run_ranks(_overlap_order, 2)
