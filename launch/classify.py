@@ -27,7 +27,7 @@ from bigdense.data import FileWindows, prepare_data
 from bigdense.models import GPTConfig, TextClassifier
 from bigdense.parallel import comm
 from bigdense.train import EngineSettings, apply_recompute, build_engine
-from bigdense.train.run_setup import gpt_config, launcher_world, start_run
+from bigdense.train.run_setup import launcher_world, start_run
 from bigdense.train.metrics import MetricsLog, peak_memory_gb, plot_loss_curve
 from bigdense.train.precision import autocast
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..config import ConfigError
+from ..validation import ConfigError
 
 VAL_WINDOWS_PER_CLASS = 2  # held-out windows per class, evenly spaced over its held-out tokens
 
