@@ -268,8 +268,6 @@ class ParallelClassifierHead(ColumnParallelLinear):
             ),
             grad_group=self.groups.tp if x.rows is not None else None,
             rows=x.rows,
-            # Under sequence parallelism the gather's backward reduce-scatters the partial gradient.
-            sum_grad_h=not self.sequence_parallel,
         )
         out = FusedVocabParallelCE.apply(x.h, x.classes.weight, x.classes.bias, x.classes.target, x.target_offset, cfg)
         return out.view(target.shape) if reduction == "none" else out
