@@ -287,8 +287,12 @@ def _train_both_modes(steps, margin):
     # Clipping bites (norms ~1 against 0.05): a norm counting the world shards twice or on one rank
     # only would scale every update differently and move the weights by far more than this.
     assert_close(torch.tensor(n_w), torch.tensor(n_tp), "grad norms, world vs tp", rtol=1e-5, atol=0)
-    assert_close(w_w, w_tp, "head weight after training, world vs tp", rtol=1e-5, atol=1e-6)
-    assert_close(fc_w, fc_tp, "replicated layer after training, world vs tp", rtol=1e-5, atol=1e-6)
+    # Weights after 4 AdamW steps: Adam divides by sqrt(v), so an update is ~lr whatever the gradient's
+    # size, and a last-bit difference in a tiny gradient (summed over DP by a reduce-scatter in one
+    # mode, averaged by DDP in the other) moves a weight by a few 1e-7 of lr: measured up to 2e-5
+    # relative on single entries. A wrong DP average or a shard counted twice moves them by percents.
+    assert_close(w_w, w_tp, "head weight after training, world vs tp", rtol=1e-4, atol=1e-5)
+    assert_close(fc_w, fc_tp, "replicated layer after training, world vs tp", rtol=1e-4, atol=1e-5)
     assert m_w.shape == spec_w.local_shape and spec_w.group == "world"
 
 
