@@ -20,13 +20,14 @@ Needs torch only (no Hydra, no DeepSpeed): models are built from dataclasses.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 import traceback
 
 import torch
+
+from . import append_json_lines
 
 MODELS = {
     "gpt_small": dict(d_model=768, n_layers=12, n_heads=12, vocab_size=50304, seq=1024, batch=8),
@@ -315,9 +316,7 @@ def main(argv=None) -> int:
 def _emit(results: list[dict], args) -> None:
     _print_table(results)
     if args.json:
-        with open(args.json, "a") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
+        append_json_lines(args.json, results)
 
 
 if __name__ == "__main__":

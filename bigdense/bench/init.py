@@ -15,7 +15,6 @@ blocks instead). Times the CPU build: variants alternate so machine noise hits b
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
@@ -23,6 +22,7 @@ import time
 import torch
 
 import bigdense as bd
+from bigdense.bench import append_json_lines
 from bigdense.bench.counters import OpCounter
 from bigdense.layers.init import INITIALIZERS, Initializer
 
@@ -77,9 +77,7 @@ def main(argv=None) -> None:
                             ops_baseline=ops["baseline"], ops_current=ops["current"],
                             time_s_baseline=med["baseline"], time_s_current=med["current"]))
     if args.json:
-        with open(args.json, "a") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
+        append_json_lines(args.json, results)
 
 
 if __name__ == "__main__":

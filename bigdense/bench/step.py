@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import statistics
 import time
 
 import torch
 
+from . import append_json_lines
 from .counters import OpCounter
 
 GPT_SMALL = dict(d_model=768, n_layers=12, n_heads=12, vocab_size=50304, max_seq_len=1024, head_chunk_size=4096)
@@ -212,9 +212,7 @@ def main(argv=None) -> None:
                         ratio=med["baseline"] / med["current"]))
     results.append(dict(bench="step", metric="host_syncs_per_step", baseline=syncs["baseline"], current=syncs["current"]))
     if args.json:
-        with open(args.json, "a") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
+        append_json_lines(args.json, results)
 
 
 if __name__ == "__main__":
