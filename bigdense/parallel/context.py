@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -206,6 +207,26 @@ def init_parallel(
     return ctx
 
 
+def _let_gloo_workers_finish(groups, deadline_s: float = 5.0) -> None:
+    """Run one last tiny collective on each gloo group and wait until its worker thread has let go of it.
+
+    Gloo's worker threads free a finished collective (and the tensors it holds) a moment *after*
+    ``wait()`` returns. A group that outlives ``destroy_process_group`` -- a DeviceMesh or a layer
+    still holds it -- keeps its threads, and one that frees a tensor while the interpreter is shutting
+    down aborts the process ("terminate called without an active exception", pytorch#179291).
+    Waiting for the worker to release a probe collective, issued after all the program's own, closes
+    that window. A bounded poll: never a hang.
+    """
+    for group in groups:
+        if group is None or dist.get_backend(group) != "gloo":
+            continue
+        probe = torch.zeros(1)
+        dist.all_reduce(probe, group=group)
+        deadline = time.monotonic() + deadline_s
+        while probe._use_count() > 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
 def destroy_parallel() -> None:
     """Wait for an asynchronous checkpoint save in flight, forget the default context and tear down
     the process group if `init_parallel` created it."""
@@ -213,7 +234,9 @@ def destroy_parallel() -> None:
     from ..checkpoint.background import release
 
     release()
+    ctx = _default
     set_default_context(None)
     if _owns_process_group and dist.is_initialized():
+        _let_gloo_workers_finish([dist.group.WORLD] + ([ctx.tp_group, ctx.dp_group] if ctx else []))
         dist.destroy_process_group()
     _owns_process_group = False
