@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..layers.vocab_ce import auto_chunk_size
+from ..layers.vocab_ce_chunks import WEIGHT_GRAD_BLOCK_BYTES, auto_chunk_size
 
 from .layout import Layout
 
@@ -157,18 +157,21 @@ class GPTMemory:
 
     # ---- the loss head ----
     def head_bytes(self) -> dict[str, float]:
-        """The fused vocab-parallel CE's working set: gradients formed in the forward and one chunk."""
+        """The fused vocab-parallel CE's working set: gradients formed in the forward, plus the
+        buffers `ChunkBuffers` allocates once per call and reuses for every chunk."""
         sh, tp, c = self.shape, self.layout.tp, self.c
         classes = math.ceil(sh.vocab_size / tp)
-        chunk = min(sh.head_chunk_size or auto_chunk_size(classes), self.tokens)
+        chunk = min(sh.head_chunk_size or auto_chunk_size(classes, self.layout.device_type), self.tokens)
         d = sh.d_model
         grads = self.tokens * d * 4 + classes * d * 4  # grad_h, grad_W (fp32)
-        if c == 4:
-            work = classes * chunk * 4  # one fp32 logits buffer
-        else:
-            # Cast operands; per chunk fp32 logits, their compute-width gradient, and one (C, d)
-            # product with its fp32 copy (the per-token factor is applied in fp32).
-            work = self.tokens * d * c + classes * d * c + classes * chunk * (4 + c) + classes * d * (c + 4)
+        slots = 2 if tp > 1 else 1  # a second fp32 logits slot lets a chunk's collective overlap the next matmul
+        work = slots * classes * chunk * 4
+        if c != 4:
+            # Operands cast once per call; the low-precision logits buffer; a block of weight-gradient
+            # rows; per chunk, grad_h's rows (low precision, then fp32) and the token-scaled hidden states.
+            block_rows = min(classes, max(1, WEIGHT_GRAD_BLOCK_BYTES // (d * c)))
+            work += self.tokens * d * c + classes * d * c + classes * chunk * c + block_rows * d * c
+            work += chunk * d * (c + 4 + c)
         if self.layout.sequence_parallel:
             work += self.u * self.f  # the hidden states gathered along the sequence
         return {"grads": grads, "chunk": work}
