@@ -12,6 +12,7 @@ options. The same config groups as `launch/train.py` (conf/, documented in bigde
 loss_curve.png, checkpoints/ and one log per rank.
 """
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +29,7 @@ from bigdense.models import GPTConfig, TextClassifier
 from bigdense.parallel import comm
 from bigdense.train import EngineSettings, apply_recompute, build_engine
 from bigdense.train.run_setup import launcher_world, start_run
-from bigdense.train.metrics import MetricsLog, peak_memory_gb, plot_loss_curve
+from bigdense.train.metrics import MetricsLog, StepWindow, peak_memory_gb, plot_loss_curve
 from bigdense.train.precision import autocast
 
 log = logging.getLogger("bigdense")
@@ -111,31 +112,34 @@ def train(cfg) -> None:
     metrics = MetricsLog(run.run_dir, ctx.is_main)
     bar = tqdm(total=tr.max_steps, initial=start_step, disable=not (ctx.is_main and tr.progress_bar),
                dynamic_ncols=True, desc="classify")
-    window_start, window_steps, losses = time.perf_counter(), 0, []
+    explicit_checks = os.environ.get("BIGDENSE_CHECKS") is not None  # the user's word wins
+    window = StepWindow()
     for step in range(start_step + 1, tr.max_steps + 1):
         micro_batches = [task.train_batch(step, m, ctx.dp_rank, ctx.dp_size) for m in range(cfg.data.grad_accum)]
-        result = engine.train_step(micro_batches)
-        losses += [] if result.skipped else [result.loss]
-        window_steps += 1
+        if not explicit_checks:
+            bd.set_checks(step <= start_step + tr.checked_steps)  # label range checks sync; a few steps suffice
+        window.add(engine.train_step(micro_batches), step, step)
         bar.update(1)
-        bar.set_postfix(loss=f"{result.loss:.3f}")
         if step % tr.log_interval == 0 or step == tr.max_steps:
-            step_time = (time.perf_counter() - window_start) / window_steps
-            record = {"kind": "train", "step": step, "loss": sum(losses) / max(1, len(losses)),
-                      "grad_norm": result.grad_norm, "lr": result.lr, "step_time_s": step_time,
+            step_time = (time.perf_counter() - window.start) / window.steps
+            summary = window.read()  # the interval's one host read
+            bar.set_postfix(loss=f"{summary['last_loss']:.3f}")
+            record = {"kind": "train", "step": step, "loss": summary["loss"], "grad_norm": summary["grad_norm"],
+                      "lr": summary["lr"], "step_time_s": step_time,
                       "samples_per_s": cfg.data.micro_batch_size * cfg.data.grad_accum * ctx.dp_size / step_time,
-                      "peak_mem_gb": peak_memory_gb(ctx.device), "skipped": result.skipped}
+                      "peak_mem_gb": peak_memory_gb(ctx.device), "skipped": summary["skipped"],
+                      "skipped_steps": summary["skipped_steps"]}
             metrics.write(record)
             if ctx.is_main:
-                bar.write(f"step {step:5d} | loss {record['loss']:.4f} | grad norm {result.grad_norm:.3f} | "
-                          f"lr {result.lr:.2e} | {record['samples_per_s']:,.0f} windows/s | "
+                bar.write(f"step {step:5d} | loss {record['loss']:.4f} | grad norm {record['grad_norm']:.3f} | "
+                          f"lr {record['lr']:.2e} | {record['samples_per_s']:,.0f} windows/s | "
                           f"{step_time * 1e3:.0f} ms/step | peak mem {record['peak_mem_gb']:.2f} GB")
         if tr.eval_interval and step % tr.eval_interval == 0 and step != tr.max_steps:
             held_out(step, bar)
         if tr.save_interval and step % tr.save_interval == 0 and step != tr.max_steps:
             save(step)
         if step % tr.log_interval == 0:  # evaluation and saving stay out of the next interval's step time
-            window_start, window_steps, losses = time.perf_counter(), 0, []
+            window = StepWindow()
     bar.close()
 
     # 6. The final checkpoint, held-out accuracy, the loss curve.

@@ -32,43 +32,10 @@ from bigdense.train.compile import compile_blocks
 from bigdense.train.flops import flops_per_token, mfu, peak_tflops
 from bigdense.train.faults import BadSteps, CollectiveFailure, TrainingStopped
 from bigdense.train.run_setup import HeldStderr, build_gpt, start_run, stop
-from bigdense.train.metrics import DenseLayerStats, MetricsLog, peak_memory_gb, plot_loss_curve
+from bigdense.train.metrics import DenseLayerStats, MetricsLog, StepWindow, peak_memory_gb, plot_loss_curve
 
 log = logging.getLogger("bigdense")
 register_configs()
-
-
-class Window:
-    """A log interval's step results, kept on the device until a sync point reads them."""
-
-    def __init__(self):
-        self.start, self.steps, self.last = time.perf_counter(), 0, None
-        self.loss_sum = self.applied = self.skipped = 0.0
-        self.pending: list = []  # (step, data position, skipped flag) not yet shown to BadSteps
-
-    def add(self, result, step: int, pos: int) -> None:
-        skipped = torch.as_tensor(result.raw["skipped"]).float()
-        self.loss_sum = self.loss_sum + torch.as_tensor(result.raw["loss"]).float() * (1 - skipped)
-        self.applied, self.skipped = self.applied + (1 - skipped), self.skipped + skipped
-        self.steps, self.last = self.steps + 1, result
-        self.pending.append((step, pos, skipped))
-
-    def replay(self, bad_steps) -> bool:
-        """Show the pending steps' outcomes to ``bad_steps`` in order (one host read); True when
-        it asks for a rollback (the steps after that one are undone by it anyway)."""
-        flags = torch.stack([flag for _, _, flag in self.pending]).tolist() if self.pending else []
-        pending, self.pending = self.pending, []
-        return any(bad_steps.record(step, pos, flag > 0) for (step, pos, _), flag in zip(pending, flags))
-
-    def read(self) -> dict:
-        """The interval's mean loss over its applied steps (one step's loss is too noisy to
-        read) and the last step's numbers, as Python values."""
-        applied, last = float(self.applied), self.last
-        return {
-            "loss": float(self.loss_sum) / applied if applied else float("nan"), "last_loss": last.loss,
-            "grad_norm": last.grad_norm, "lr": last.lr, "skipped": last.skipped,
-            "skipped_steps": int(float(self.skipped)), "loss_scale": last.loss_scale,
-        }
 
 
 def evaluate(engine, data, ctx, n_batches: int) -> float:
@@ -147,7 +114,7 @@ def train(cfg) -> None:
     flops_token = flops_per_token(counts["total"], cfg.model.n_layers, cfg.model.d_model, cfg.data.seq_len)
     peak = peak_tflops(ctx.device, tr.peak_tflops)
     explicit_checks = os.environ.get("BIGDENSE_CHECKS") is not None  # the user's word wins
-    window = Window()
+    window = StepWindow()
     step = start_step
     while step < tr.max_steps:
         step += 1
@@ -169,7 +136,7 @@ def train(cfg) -> None:
             step, data_offset = ckpts.rollback(bad_steps)
             bar.reset(total=tr.max_steps)
             bar.update(step)
-            window = Window()
+            window = StepWindow()
             continue
         if log_now:
             step_time = (time.perf_counter() - window.start) / window.steps
@@ -202,7 +169,7 @@ def train(cfg) -> None:
         if save_now:
             ckpts.save(step, data_offset)
         if log_now:  # evaluation and saving stay out of the next interval's step time
-            window = Window()
+            window = StepWindow()
     bar.close()
 
     # 6. The final checkpoint, a held-out evaluation, the loss curve.

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import resource
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -165,3 +166,37 @@ def plot_loss_curve(metrics_path: Path, png_path: Path) -> Optional[Path]:
     plt.close(fig)
     os.replace(tmp, png_path)
     return png_path
+
+
+class StepWindow:
+    """A log interval's step results (`StepResult.raw`), kept on the device until a sync point reads
+    them: one host read per interval instead of one per step."""
+
+    def __init__(self):
+        self.start, self.steps, self.last = time.perf_counter(), 0, None
+        self.loss_sum = self.applied = self.skipped = 0.0
+        self.pending: list = []  # (step, data position, skipped flag) not yet shown to BadSteps
+
+    def add(self, result, step: int, pos: int) -> None:
+        skipped = torch.as_tensor(result.raw["skipped"]).float()
+        self.loss_sum = self.loss_sum + torch.as_tensor(result.raw["loss"]).float() * (1 - skipped)
+        self.applied, self.skipped = self.applied + (1 - skipped), self.skipped + skipped
+        self.steps, self.last = self.steps + 1, result
+        self.pending.append((step, pos, skipped))
+
+    def replay(self, bad_steps) -> bool:
+        """Show the pending steps' outcomes to ``bad_steps`` in order (one host read); True when
+        it asks for a rollback (the steps after that one are undone by it anyway)."""
+        flags = torch.stack([flag for _, _, flag in self.pending]).tolist() if self.pending else []
+        pending, self.pending = self.pending, []
+        return any(bad_steps.record(step, pos, flag > 0) for (step, pos, _), flag in zip(pending, flags))
+
+    def read(self) -> dict:
+        """The interval's mean loss over its applied steps (one step's loss is too noisy to
+        read) and the last step's numbers, as Python values."""
+        applied, last = float(self.applied), self.last
+        return {
+            "loss": float(self.loss_sum) / applied if applied else float("nan"), "last_loss": last.loss,
+            "grad_norm": last.grad_norm, "lr": last.lr, "skipped": last.skipped,
+            "skipped_steps": int(float(self.skipped)), "loss_scale": last.loss_scale,
+        }
