@@ -40,6 +40,21 @@ def test_data_parallel_ranks_apply_their_rows_of_the_global_batch_mask():
     assert torch.equal(mine, full[4:, :, 1:])
 
 
+def test_shards_below_and_across_2_31_agree_with_the_wider_range_they_belong_to():
+    # Indices past int32 hash with a second (wide) word rule. Each index's word depends on the index
+    # alone, so a shard ending below 2^31 and one crossing it give their common columns and rows the
+    # same words: here [2^31 - 4, 2^31) alone vs inside [2^31 - 4, 2^31 + 4).
+    x = torch.ones(3, 8)
+    start = 2**31 - 4
+    across = _mask(x, 0.5, seed=7, shard_dim=-1, global_size=2**31 + 8, offset=start)
+    below = _mask(x[:, :4], 0.5, seed=7, shard_dim=-1, global_size=2**31 + 8, offset=start)
+    assert torch.equal(below, across[:, :4])
+    key = torch.tensor([11, -5], dtype=torch.int32)
+    rows_across, rows_below = keep_mask(key, (start, 8), (0, 5), 0.5, "cpu"), keep_mask(key, (start, 4), (0, 5), 0.5, "cpu")
+    assert torch.equal(rows_below, rows_across[:4])
+    assert 0 < across.float().mean() < 1 and not torch.equal(across[:, :4], across[:, 4:])  # not degenerate
+
+
 def test_op_count_does_not_grow_with_the_tensor_and_nothing_syncs():
     counts = []
     for shape in ((4, 16), (8, 12, 256, 256)):

@@ -108,17 +108,15 @@ def tiled_fill_(
     return out
 
 
-def hash_words(seed: int, rows: tuple[int, int], cols: tuple[int, int], global_shape: Sequence[int], device) -> torch.Tensor:
-    """The int32 hash words (``(n, m)``) of rows ``[r0, r0 + n)`` and columns ``[c0, c0 + m)`` of the
-    global ``global_shape`` tensor for integer key ``seed``; ``rows = (r0, n)``, ``cols = (c0, m)``.
-    The word rule of `keep_mask`, keyed by two 32-bit words of ``mix_seed(seed)``; whether indices
-    need 64 bits is decided by the global shape, so every slice hashes an index alike."""
+def hash_words(seed: int, rows: tuple[int, int], cols: tuple[int, int], device) -> torch.Tensor:
+    """The int32 hash words (``(n, m)``) of rows ``[r0, r0 + n)`` and columns ``[c0, c0 + m)`` of a
+    global tensor for integer key ``seed``; ``rows = (r0, n)``, ``cols = (c0, m)``. The word rule of
+    `keep_mask`, keyed by two 32-bit words of ``mix_seed(seed)``: a slice's words are those the whole
+    tensor gives it (`_words` decides index by index)."""
     key = mix_seed(seed)
     key0, key1 = (key & 0xFFFFFFFF) - (1 << 31), ((key >> 32) & 0x7FFFFFFF)
-    row_words = _words(torch.arange(rows[0], rows[0] + rows[1], dtype=torch.int64, device=device), _M1,
-                       int(global_shape[0]) > 2**31)
-    col_words = _words(torch.arange(cols[0], cols[0] + cols[1], dtype=torch.int64, device=device), _GOLDEN,
-                       int(global_shape[1]) > 2**31)
+    row_words = _index_words(rows[0], rows[1], _M1, device)
+    col_words = _index_words(cols[0], cols[1], _GOLDEN, device)
     return _fmix32((row_words ^ key0).unsqueeze(1) ^ (col_words + key1).unsqueeze(0))
 
 
@@ -179,7 +177,7 @@ def counter_fill_(
             rows = min(block_rows, n - i)
             for j in range(0, m, block_cols):
                 cols = min(block_cols, m - j)
-                words = hash_words(seed, (r0 + i, rows), (c0 + j, cols), global_shape, out.device)
+                words = hash_words(seed, (r0 + i, rows), (c0 + j, cols), out.device)
                 out[i : i + rows, j : j + cols].copy_(law(words))
     return out
 
@@ -224,18 +222,21 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 
 def _index_words(start: int, count: int, odd: int, device) -> torch.Tensor:
     """The global indices ``start .. start + count - 1`` spread over 32-bit words (int32, (count,)):
-    times an odd constant, a bijection modulo 2^32."""
+    times an odd constant, a bijection modulo 2^32 (see `_words` past 2^31)."""
     wide = start + count > 2**31
     return _words(torch.arange(start, start + count, dtype=torch.int64 if wide else torch.int32, device=device),
                   odd, wide)
 
 
 def _words(index: torch.Tensor, odd: int, wide: bool) -> torch.Tensor:
-    """`_index_words` of any tensor of indices; ``wide``: the range they come from passes int32."""
+    """The word of each index: ``index * odd`` modulo 2^32 below 2^31; from 2^31 on, the high word,
+    mixed, is folded into it too. Decided index by index, so a slice of a range gives each index the
+    word the whole range gives it, whichever rank holds it. ``wide``: some index may reach 2^31
+    (only then is the second form computed)."""
+    low = (index & 0xFFFFFFFF).to(torch.int32) * odd if wide else index.to(torch.int32) * odd
     if not wide:
-        return index.to(torch.int32) * odd
-    # Indices past int32: the high word, mixed, is folded into the low one.
-    return ((index & 0xFFFFFFFF).to(torch.int32) * odd) ^ _fmix32((index >> 32).to(torch.int32) ^ _GOLDEN)
+        return low
+    return torch.where(index < 2**31, low, low ^ _fmix32((index >> 32).to(torch.int32) ^ _GOLDEN))
 
 
 def keep_mask(key: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int], p: float, device) -> torch.Tensor:
