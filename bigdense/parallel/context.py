@@ -215,7 +215,8 @@ def _let_gloo_workers_finish(groups, deadline_s: float = 5.0) -> None:
     still holds it -- keeps its threads, and one that frees a tensor while the interpreter is shutting
     down aborts the process ("terminate called without an active exception", pytorch#179291).
     Waiting for the worker to release a probe collective, issued after all the program's own, closes
-    that window. A bounded poll: never a hang.
+    that window. Every rank calls `destroy_parallel`, so the probe always has its peers; it is bounded
+    by the group's timeout like any collective, and the poll after it by ``deadline_s``.
     """
     for group in groups:
         if group is None or dist.get_backend(group) != "gloo":
