@@ -163,7 +163,7 @@ class TrainerConfig:
 class HeadConfig:
     """The classifier head of ``launch/classify.py`` (see `bigdense.ParallelClassifierHead`)."""
 
-    shard: str = "tp"  # "tp" (classes over the TP group) or "world" (over every rank; engine=ddp)
+    shard: str = "tp"  # "tp" (classes over the TP group) or "world" (over every rank)
     sample_rate: float = 1.0  # in (0, 1]: the share of non-target classes each step scores (Partial FC)
     margin: Any = None  # null, "arcface", "cosface" or [m1, m2, m3]: cos(m1 * theta + m2) - m3
     scale: float = 64.0  # the logit scale of a margin head
@@ -369,6 +369,3 @@ def _validate_head(cfg) -> None:
             check()
         except ValueError as err:
             raise ConfigError(f"{key}={getattr(head, key.split('.')[1])!r}: {err}") from None
-    if head.shard == "world" and cfg.engine.kind == "deepspeed":
-        raise ConfigError("head.shard=world needs engine=ddp: DeepSpeed's ZeRO would average the world-sharded "
-                          "head's gradient over DP, mixing different classes' rows")

@@ -301,19 +301,6 @@ def test_ddp_training_reaches_the_same_weights_world_or_tp(margin):
     run_ranks(_train_both_modes, 2, 4, margin)
 
 
-def _deepspeed_refuses_world():
-    from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
-
-    bd.init_parallel(tp=1)
-    with pytest.raises(ValueError, match="engine=ddp, or shard='tp'"):
-        bd.build_engine(_HeadNet("world"), bd.get_default_context(), engine_cfg=EngineConfig(kind="deepspeed"),
-                        optim_cfg=OptimConfig(), precision_cfg=PrecisionConfig(), micro_batch_size=4, max_steps=1)
-
-
-def test_deepspeed_refuses_a_world_sharded_head():
-    run_ranks(_deepspeed_refuses_world, 2)
-
-
 # ---- checkpoints ----
 def _save_world(path):
     """tp=2 x dp=2, the head world-sharded (37 classes over 4 ranks: 10, 9, 9, 9): two AdamW steps."""

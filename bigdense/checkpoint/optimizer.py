@@ -59,15 +59,19 @@ class TorchOptimizerState(OptimizerAdapter):
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
 
+    def model_param(self, p: torch.Tensor) -> torch.Tensor:
+        """The model parameter that the optimizer's tensor ``p`` stands for (itself here)."""
+        return p
+
     def group_names(self, model: ModelState) -> list[list[str]]:
-        return [[param_name(model, p, f"optimizer param group {g}") for p in group["params"]]
+        return [[param_name(model, self.model_param(p), f"optimizer param group {g}") for p in group["params"]]
                 for g, group in enumerate(self.optimizer.param_groups)]
 
     def pieces(self, model: ModelState) -> list[Piece]:
         out = []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                name = param_name(model, p, "the optimizer")
+                name = param_name(model, self.model_param(p), "the optimizer")
                 out += [optimizer_state_piece(model, name, key, value)
                         for key, value in self.optimizer.state.get(p, {}).items() if isinstance(value, torch.Tensor)]
         return out
@@ -95,7 +99,7 @@ class TorchOptimizerState(OptimizerAdapter):
         for group, saved in zip(self.optimizer.param_groups, saved_groups_without_params(common["param_groups"])):
             ids = []
             for p in group["params"]:
-                name = model.canonical[id(p)]
+                name = model.canonical[id(self.model_param(p))]
                 entry = {**non_tensor.get(name, {}), **tensors.get(name, {})}
                 if entry:
                     state[index] = entry
@@ -125,10 +129,17 @@ def resolve_optimizer(optimizer, engine) -> Optional[OptimizerAdapter]:
     """The adapter of the optimizer to save/load, or ``None``.
 
     ``optimizer`` may be a torch optimizer or a DeepSpeed engine's ``optimizer`` (its ZeRO-1/2 or
-    BF16 wrapper); with a DeepSpeedEngine as the model it defaults to the engine's.
+    BF16 wrapper); with a DeepSpeedEngine as the model it defaults to the engine's. A bigdense
+    `DSEngine` with world-sharded parameters hands an ``OptimizerPair`` (its ``checkpoint_state``):
+    DeepSpeed's optimizer and the one stepping those parameters, saved as one.
     """
+    from ..train.engines.world_sharded import OptimizerPair
+    from .split import SplitOptimizerState, WorldShardedState
     from .zero import ZeroOptimizerState
 
+    if isinstance(optimizer, OptimizerPair):
+        return SplitOptimizerState(resolve_optimizer(optimizer.deepspeed, engine), WorldShardedState(optimizer.world),
+                                   optimizer.deepspeed_from, optimizer.world_from)
     if engine is not None:
         if optimizer is not None and optimizer is not engine.optimizer:
             raise TypeError("with a DeepSpeedEngine pass optimizer=None or engine.optimizer")

@@ -127,17 +127,22 @@ class DDPEngine(Engine):
     def _set_lrs(self) -> torch.Tensor:
         """Each group's LR for this step, computed on the device from the applied-step counter;
         returns the first group's in float64 (the schedule's own precision, for reporting)."""
-        if self.scheduler.last_epoch != self._host_epoch:  # a checkpoint was loaded into it
-            self._applied.fill_(self.scheduler.last_epoch)
-            self._host_epoch = self.scheduler.last_epoch
+        self._take_loaded_schedule()
         factor = self.scheduler.lr_lambdas[0].on_device(self._applied)
         lrs = [base * factor for base in self.scheduler.base_lrs]
         for group, lr in zip(self.optimizer.param_groups, lrs):
             group["lr"] = lr.float()  # fused AdamW's kernels read an fp32 LR tensor (as they round a float LR)
         return lrs[0]
 
+    def _take_loaded_schedule(self) -> None:
+        if self.scheduler.last_epoch != self._host_epoch:  # a checkpoint was loaded into it
+            self._applied.fill_(self.scheduler.last_epoch)
+            self._host_epoch = self.scheduler.last_epoch
+
     def _sync_schedule(self) -> None:
-        """Bring ``scheduler`` and the param groups' LRs (plain floats) up to the device counter."""
+        """Bring ``scheduler`` and the param groups' LRs (plain floats) up to the device counter
+        (or the counter up to a scheduler state loaded since the last step)."""
+        self._take_loaded_schedule()
         applied = int(self._applied.item())
         self.scheduler.last_epoch = self._host_epoch = applied
         lrs = [base * self.scheduler.lr_lambdas[0](applied) for base in self.scheduler.base_lrs]

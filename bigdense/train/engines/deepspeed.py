@@ -10,12 +10,12 @@ import math
 import torch
 
 from ...validation import ConfigError, check_choice
-from ..clip import clip_grad_norm_, grad_norm
+from ..clip import clip_grad_norm_, grad_norm, is_world_sharded
 from ..precision import any_rank
 from ..schedule import build_lr_schedule
 from . import ds_compat
-from ...layers.base import named_shard_specs
 from .base import Engine, EngineSettings, StepResult, mesh_group, param_groups
+from .world_sharded import OptimizerPair, WorldShardedAdamW, split_world_sharded
 
 _INPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ZERO_STAGES = (0, 1, 2)  # engine.zero_stage (stage 3 shards parameters, which TP already does)
@@ -69,6 +69,16 @@ class DSEngine(Engine):
     At ZeRO stage 0 bigdense clips with `clip_grad_norm_` itself (on the DP-averaged gradients,
     before DeepSpeed's step; fp16 gradients are still scaled, so it clips at ``grad_clip * scale``)
     and, in fp32, skips through DeepSpeed's ``optimizer.overflow`` protocol (`ds_compat` 2 and 3).
+
+    Parameters split over every rank (shard spec ``group="world"``: a world-sharded classifier
+    head) have no DP replicas, and their layer already produces the gradient DP averaging would
+    give. DeepSpeed never holds them: they are out of its optimizer, its start-up broadcast and
+    its stage-0 all-reduce (`ds_compat` 8, 9), and `world_sharded.WorldShardedAdamW` steps them
+    after DeepSpeed's step, with the same hyper-parameters, groups and learning rate, fp32 masters
+    when the module is bf16/fp16, and not at all when DeepSpeed skipped. One global norm counts
+    them once: bigdense's at stage 0 (a non-finite one makes DeepSpeed skip: `ds_compat` 11), and
+    at ZeRO-1/2 DeepSpeed's own, which includes them, with the same unscale-and-clip factor applied
+    to them (`ds_compat` 10). `checkpoint_state` hands both optimizers as one (an ``OptimizerPair``).
     """
 
     kind = "deepspeed"
@@ -86,13 +96,6 @@ class DSEngine(Engine):
         super().__init__(model, ctx, settings)
         import deepspeed  # noqa: F401  (fails here, naming the missing package, before any work)
 
-        world_sharded = [name for name, spec in named_shard_specs(model).items() if spec.group == "world"]
-        if world_sharded and ctx.dp_size > 1:
-            raise ValueError(
-                f"engine.kind=deepspeed cannot hold parameters split over every rank ({', '.join(world_sharded)}: "
-                "a head with shard='world'): ZeRO would average their gradients over DP, mixing different "
-                "classes' rows; use engine=ddp, or shard='tp'"
-            )
         mpu = ds_compat.DeepSpeedMPU(ctx)
         dtype, optim_cfg = self.precision_name, settings.optim
         stage = int(settings.engine.zero_stage)
@@ -101,7 +104,10 @@ class DSEngine(Engine):
         config = _ds_config(settings, stage, clip_in_deepspeed=not self.own_clip)
         adamw = {"lr": float(optim_cfg.lr), "betas": [float(b) for b in optim_cfg.betas], "eps": float(optim_cfg.eps),
                  "weight_decay": float(optim_cfg.weight_decay)}
-        groups = param_groups(model, optim_cfg.weight_decay)
+        # Parameters split over every rank have no DP replicas: DeepSpeed never holds them (`world_sharded`).
+        groups, self._groups_from, _, self._world_from = split_world_sharded(
+            param_groups(model, optim_cfg.weight_decay))
+        world_params = [p for p in model.parameters() if is_world_sharded(p)]
         client_optimizer = None
         if self.own_clip and dtype == "fp32":
             # DeepSpeed hands a client optimizer straight to its fp32 path; this one can be told to skip.
@@ -113,13 +119,23 @@ class DSEngine(Engine):
             return build_lr_schedule(optimizer, optim_cfg, settings.max_steps)
 
         self.ds, self.optimizer, _, self.scheduler = ds_compat.initialize(
-            ctx, model=model, model_parameters=groups, optimizer=client_optimizer, lr_scheduler=schedule,
-            config=config, mpu=mpu, dist_init_required=False,
+            ctx, world_sharded=world_params, model=model, model_parameters=groups, optimizer=client_optimizer,
+            lr_scheduler=schedule, config=config, mpu=mpu, dist_init_required=False,
         )
         self.model = self.ds.module
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         ds_compat.link_zero_state(self.optimizer)
         self._input_dtype = _INPUT_DTYPES.get(dtype)
+        self.world = None
+        if world_params:  # built now, from the parameters in DeepSpeed's dtype
+            world_groups = split_world_sharded(param_groups(self.model, optim_cfg.weight_decay))[2]
+            self.world = WorldShardedAdamW(world_groups, **{k: v for k, v in adamw.items() if k != "weight_decay"})
+            ds_compat.keep_out_of_dp_reduction(self.ds, self.world.params)
+            if not self.own_clip:
+                ds_compat.add_to_norm(self.optimizer, lambda: self._world_norm)
+            elif not isinstance(self.optimizer, ds_compat.SkippableAdamW):
+                ds_compat.skip_when(self.optimizer, lambda: self._nonfinite)
+        self._world_norm, self._nonfinite = None, False
 
     def _compute_context(self):
         return contextlib.nullcontext()  # DeepSpeed's bf16/fp16 weights set the compute dtype
@@ -136,6 +152,8 @@ class DSEngine(Engine):
     def train_step(self, micro_batches) -> StepResult:
         micro_batches = self._check_micro_batches(micro_batches)
         self.ds.train()
+        if self.world is not None:
+            self.world.zero_grad()
         n = len(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         loss_scale, lr, norm = self._loss_scale(), float(self.ds.get_lr()[0]), None
@@ -144,19 +162,37 @@ class DSEngine(Engine):
                 loss = self._check_loss(self.ds(x, y))
             loss_sum += loss.detach().float()
             self.ds.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
-            if i == n - 1 and self.own_clip:
-                # Boundary: DeepSpeed has all-reduced the gradients over DP in backward().
-                total = (clip_grad_norm_(self._params, self.grad_clip * loss_scale, tp_group=self.ctx.tp_group)
-                         if self.grad_clip > 0 else grad_norm(self._params, tp_group=self.ctx.tp_group))
-                norm = float(total) / loss_scale
-                if isinstance(self.optimizer, ds_compat.SkippableAdamW):
-                    self.optimizer.overflow = any_rank(not math.isfinite(norm), mesh_group(self.ctx), self.ctx.device)
+            if i == n - 1:  # boundary: DeepSpeed has all-reduced its gradients over DP in backward()
+                norm = self._boundary(loss_scale)
             self.ds.step()
         skipped = not self.ds.was_step_applied()
+        if self.world is not None and not skipped:
+            # (at stage 0 bigdense clipped them with the others; fp16's are still loss-scaled)
+            factor = 1.0 / loss_scale if self.own_clip else ds_compat.zero_grad_factor(self.optimizer, self.grad_clip,
+                                                                                      loss_scale)
+            self.world.step(lr, None if factor == 1.0 else factor)
         if norm is None:
             reported = self.ds.get_global_grad_norm()
             norm = float(reported) if reported is not None else float("nan")
         return StepResult(self._dp_mean(loss_sum / n), norm, bool(skipped), lr, loss_scale)
+
+    def _boundary(self, loss_scale: float):
+        """Before DeepSpeed's step: bigdense's clipping where it clips (returns the norm), else the
+        world-sharded gradients' norm for DeepSpeed's (`ds_compat.add_to_norm`); then the
+        world-sharded gradients leave the module, where DeepSpeed's step would clear them."""
+        norm = None
+        if self.own_clip:  # the world-sharded gradients are clipped here with the others
+            total = (clip_grad_norm_(self._params, self.grad_clip * loss_scale, tp_group=self.ctx.tp_group)
+                     if self.grad_clip > 0 else grad_norm(self._params, tp_group=self.ctx.tp_group))
+            norm = float(total) / loss_scale
+            self._nonfinite = not math.isfinite(norm)  # the same on every rank: the norm is global
+            if isinstance(self.optimizer, ds_compat.SkippableAdamW):
+                self.optimizer.overflow = any_rank(self._nonfinite, mesh_group(self.ctx), self.ctx.device)
+        elif self.world is not None:
+            self._world_norm = grad_norm(self.world.params, tp_group=self.ctx.tp_group)
+        if self.world is not None:
+            self.world.take_grads()
+        return norm
 
     @property
     def lr(self) -> float:
@@ -165,5 +201,10 @@ class DSEngine(Engine):
     def checkpoint_state(self) -> dict:
         """As `Engine.checkpoint_state`, but ``model`` is DeepSpeed's engine (``bd.save_checkpoint``
         reads its optimizer through DeepSpeed's per-parameter API, fp32 masters included) and
-        ``optimizer`` DeepSpeed's optimizer; DeepSpeed keeps any fp16 loss scale itself."""
-        return {"model": self.ds, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": None}
+        ``optimizer`` DeepSpeed's optimizer -- with world-sharded parameters an ``OptimizerPair`` of
+        it and theirs, saved as the one AdamW the DDP engine has; DeepSpeed keeps any fp16 loss
+        scale itself."""
+        optimizer = self.optimizer
+        if self.world is not None:
+            optimizer = OptimizerPair(self.optimizer, self.world, self._groups_from, self._world_from)
+        return {"model": self.ds, "optimizer": optimizer, "scheduler": self.scheduler, "scaler": None}

@@ -39,10 +39,33 @@ Each workaround, the DeepSpeed behaviour it works around, and the test that pins
    fp16 loss scaler's counters are plain attributes of ``loss_scaler``. Pinned by
    ``tests/test_checkpoint_deepspeed.py`` (ZeRO-1/2 and bf16 partitions saved per DP rank load
    bit-exactly at other layouts and into plain AdamW).
+8. `initialize` (``world_sharded=``) -- DeepSpeed broadcasts every module parameter from DP rank 0
+   when it starts, except MoE experts and parameters marked ``ds_optim_param`` (its
+   OptimizedLinear's, unique per rank); a parameter split over the whole mesh has another shape
+   on each rank (the broadcast fails) or rank 0's rows. It is marked for the call. Pinned by
+   ``tests/test_deepspeed_world.py`` (37 classes: 19 and 18 rows on two ranks; weights match DDP's).
+9. `keep_out_of_dp_reduction` -- DeepSpeed's only parameters that are not DP replicas are MoE
+   experts, which it averages over an expert DP group (and only when the model holds its MoE
+   layers). World-sharded parameters are left out of its optimizer (bigdense steps them:
+   `world_sharded.WorldShardedAdamW`), which keeps them out of ZeRO-1/2's reductions; the
+   stage-0 all-reduce takes every module parameter that requires a gradient, so they are hidden
+   from it. Pinned by ``tests/test_deepspeed_world.py`` (DeepSpeed's collectives move the bytes
+   they move for the model with a frozen head, at stages 0-2).
+10. `add_to_norm`, `zero_grad_factor` -- ZeRO-1/2 clip inside ``step()`` by a norm over their own
+   partitions; the global norm must count the world-sharded gradients (once) and both parts must
+   be scaled alike. ``scaled_global_norm`` is wrapped to combine the two, and the world-sharded
+   gradients get the factor ``unscale_and_clip_grads`` applied. Pinned by
+   ``tests/test_deepspeed_world.py`` (norms equal the DDP engine's `clip_grad_norm_`, clipping
+   that bites, weights equal the DDP engine's at ZeRO-1/2, fp32 and bf16; a world-sharded gradient
+   inf on one rank skips the step everywhere).
+11. `skip_when` -- at stage 0 bigdense clips (workaround 2), but the bf16/fp16 optimizer decides
+   to skip by its own overflow check, over its own gradients only; a non-finite world-sharded
+   gradient must skip the step too, so its check is OR-ed with bigdense's norm being non-finite.
+   Pinned by ``tests/test_deepspeed_world.py`` (the poisoned step, bf16 at stage 0).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -157,13 +180,89 @@ def loss_scale(optimizer) -> float:
     return float(scale)
 
 
-def initialize(ctx: ParallelContext, **kwargs):
-    """``deepspeed.initialize(**kwargs)`` without moving torch's generators (workaround 6)."""
+def initialize(ctx: ParallelContext, world_sharded: Sequence[torch.Tensor] = (), **kwargs):
+    """``deepspeed.initialize(**kwargs)`` without moving torch's generators (workaround 6), and
+    without broadcasting the ``world_sharded`` parameters over DP (workaround 8)."""
     import deepspeed
 
     rng_devices = [ctx.device] if ctx.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=rng_devices):
-        return deepspeed.initialize(**kwargs)
+    for p in world_sharded:
+        p.ds_optim_param = True  # what DeepSpeed's start-up broadcast skips: "unique per rank"
+    try:
+        with torch.random.fork_rng(devices=rng_devices):
+            return deepspeed.initialize(**kwargs)
+    finally:
+        for p in world_sharded:
+            del p.ds_optim_param
+
+
+def keep_out_of_dp_reduction(engine, params: Sequence[torch.Tensor]) -> None:
+    """DeepSpeed's stage-0 all-reduce (fp32, and bf16/fp16 without ZeRO) takes every module
+    parameter that requires a gradient, creating zero gradients for missing ones: ``params`` are
+    hidden from it (``requires_grad`` off for the call), so it carries nothing for them
+    (workaround 9)."""
+    reduce = engine.allreduce_gradients
+
+    def allreduce_gradients(*args, **kwargs):
+        flags = [p.requires_grad for p in params]
+        for p in params:
+            p.requires_grad_(False)
+        try:
+            return reduce(*args, **kwargs)
+        finally:
+            for p, flag in zip(params, flags):
+                p.requires_grad_(flag)
+
+    engine.allreduce_gradients = allreduce_gradients
+
+
+def skip_when(optimizer, nonfinite: Callable[[], bool]) -> None:
+    """Make a stage-0 bf16/fp16 optimizer skip its step when ``nonfinite()`` (bigdense's global
+    norm, world-sharded gradients included, is inf or nan), as it does for an overflow in its own
+    gradients: its overflow check is OR-ed with it (workaround 11)."""
+    checker = optimizer.overflow_checker
+    check = checker.check
+
+    def check_both(*args, **kwargs):
+        return bool(check(*args, **kwargs)) or nonfinite()
+
+    checker.check = check_both
+
+
+def is_zero(optimizer) -> bool:
+    """Whether ``optimizer`` is DeepSpeed's ZeRO-1/2 optimizer (it clips inside its step)."""
+    return hasattr(optimizer, "scaled_global_norm") and hasattr(optimizer, "bit16_groups")
+
+
+def add_to_norm(optimizer, world_norm: Callable[[], torch.Tensor]) -> None:
+    """Make the norm ZeRO-1/2 clips (and skips) by the global one: its ``scaled_global_norm``
+    (over its own partitions) combined with ``world_norm()``, the norm of the gradients it does not
+    hold, in the same loss-scaled units (workaround 10). The factor it then applied to its own
+    gradients is `zero_grad_factor`'s."""
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+
+    if not is_zero(optimizer):
+        raise TypeError(f"add_to_norm: {type(optimizer).__name__} is not DeepSpeed's ZeRO-1/2 optimizer")
+    own_norm = optimizer.scaled_global_norm
+
+    def scaled_global_norm(norm_type=2):
+        own = own_norm(norm_type)
+        own = own if torch.is_tensor(own) else torch.tensor(float(own))
+        return combine_grad_norm_groups([own.float(), world_norm().to(own.device)], norm_type=norm_type)
+
+    optimizer.scaled_global_norm = scaled_global_norm
+
+
+def zero_grad_factor(optimizer, grad_clip: float, scale_before: float) -> float:
+    """What ZeRO-1/2's step just multiplied its gradients by (``unscale_and_clip_grads``: the loss
+    scale and the clip coefficient of the combined norm), for the gradients it does not hold
+    (workaround 10)."""
+    scale = loss_scale(optimizer)  # DeepSpeed unscales by the scale as updated in its step
+    combined = scale
+    if grad_clip > 0:
+        total = float(optimizer._global_grad_norm) * scale_before / scale
+        combined = max((total + 1e-6) / grad_clip, 1.0) * scale
+    return 1.0 / combined
 
 
 _ZERO_LAYOUTS = (("bit16_groups", "single_partition_of_fp32_groups"), ("bf16_groups", "fp32_groups_flat_partition"))
