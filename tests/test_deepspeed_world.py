@@ -6,6 +6,7 @@ DeepSpeed's DP collectives, and checkpoints that load into DDP and back and resu
 The DDP engine's handling of a world-sharded head is pinned against TP-only and unsharded references
 in ``test_head_xc.py``; here it is the reference.
 """
+import contextlib
 import math
 
 import pytest
@@ -139,20 +140,24 @@ _KINDS = ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "al
           "all_gather", "broadcast", "all_reduce_coalesced")
 
 
-def _deepspeed_bytes(engine, ctx, steps=2):
-    """Bytes DeepSpeed's own collectives (``deepspeed.comm``) hand the backend in ``steps`` steps,
-    by kind. bigdense's collectives (the head's all-gather and reduce-scatter, the norm's scalars)
-    go to torch.distributed directly and are not counted."""
+@contextlib.contextmanager
+def _deepspeed_bytes():
+    """Bytes DeepSpeed's own collectives (``deepspeed.comm``) hand the backend, by kind: the first
+    tensor of each call (the buffer reduced, gathered or broadcast). bigdense's collectives (the
+    head's all-gather and reduce-scatter, the norm's scalars) go to torch.distributed directly and
+    are not counted."""
     from deepspeed.comm import comm as ds_comm
 
+    if ds_comm.cdb is None:  # DeepSpeed's backend object, made at its first initialize: made now to patch it
+        ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
     counts, backend = {}, ds_comm.cdb
     originals = {kind: getattr(backend, kind) for kind in _KINDS if hasattr(backend, kind)}
 
     def counting(kind, fn):
         def call(*args, **kwargs):
-            tensors = [a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a)]
-            tensors += [t for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple))
-                        for t in a if torch.is_tensor(t)]
+            values = list(args) + list(kwargs.values())
+            tensors = [a for a in values if torch.is_tensor(a)]
+            tensors += [t for a in values if isinstance(a, (list, tuple)) for t in a if torch.is_tensor(t)]
             counts[kind] = counts.get(kind, 0) + sum(t.numel() * t.element_size() for t in tensors[:1])
             return fn(*args, **kwargs)
         return call
@@ -160,33 +165,43 @@ def _deepspeed_bytes(engine, ctx, steps=2):
     for kind, fn in originals.items():
         setattr(backend, kind, counting(kind, fn))
     try:
-        for step in range(steps):
-            torch.manual_seed(100 + step)
-            engine.train_step(_batches(step, ctx))
+        yield counts
     finally:
         for kind, fn in originals.items():
             setattr(backend, kind, fn)
-    return counts
 
 
 def _rank_bytes(stage, dtype):
+    """DeepSpeed's bytes while it starts, and in two steps, for the world-sharded head, a frozen
+    head and a DP-replicated one."""
     bd.init_parallel(tp=1)
     ctx = bd.get_default_context()
-    world, _ = _engine("deepspeed", stage, dtype)
-    frozen, _ = _engine("deepspeed", stage, dtype, shard="tp", frozen_head=True)
-    replicated, _ = _engine("deepspeed", stage, dtype, shard="tp")
-    return _deepspeed_bytes(world, ctx), _deepspeed_bytes(frozen, ctx), _deepspeed_bytes(replicated, ctx)
+    out = []
+    for shard, frozen in (("world", False), ("tp", True), ("tp", False)):
+        with _deepspeed_bytes() as start:
+            engine, _ = _engine("deepspeed", stage, dtype, shard=shard, frozen_head=frozen)
+        with _deepspeed_bytes() as steps:
+            for step in range(2):
+                torch.manual_seed(100 + step)
+                engine.train_step(_batches(step, ctx))
+        out.append((start, steps))
+    return out
 
 
 @pytest.mark.slow  # nine DeepSpeed engines in two ranks
 @pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (1, "bf16"), (2, "fp32")])
 def test_deepspeed_reduces_no_byte_of_a_world_sharded_head(stage, dtype):
-    # The reference: the same model with a frozen head, which DeepSpeed does not touch at all. A
-    # DP-replicated head (tp=1, shard="tp") shows the counting sees the head when it is there.
-    head_bytes = (C * D + C) * (4 if dtype == "fp32" else 2)
-    for world, frozen, replicated in run_ranks(_rank_bytes, 2, stage, dtype, timeout=300):
-        assert world == frozen, f"zero-{stage} {dtype}: DeepSpeed moved head bytes: {world} vs {frozen}"
-        assert sum(replicated.values()) >= sum(frozen.values()) + 2 * head_bytes, (replicated, frozen)
+    # Steps: the reference is the same model with a frozen head, which DeepSpeed's reductions skip.
+    # Start-up: DeepSpeed broadcasts the replicated layer only (fc's weight and bias; the frozen
+    # head too, as it broadcasts every parameter). A DP-replicated head (tp=1, shard="tp") shows the
+    # counting sees the head when it is there.
+    size = 4 if dtype == "fp32" else 2
+    head_bytes, fc_bytes = (C * D + C) * size, (D * D + D) * size
+    for (world, world_steps), (frozen, frozen_steps), (_, replicated_steps) in run_ranks(
+            _rank_bytes, 2, stage, dtype, timeout=300):
+        assert world_steps == frozen_steps, f"zero-{stage} {dtype}: DeepSpeed moved head bytes: {world_steps}"
+        assert world.get("broadcast") == fc_bytes and frozen.get("broadcast") == fc_bytes + head_bytes, (world, frozen)
+        assert sum(replicated_steps.values()) >= sum(frozen_steps.values()) + 2 * head_bytes, replicated_steps
 
 
 # ---- checkpoints ----

@@ -43,7 +43,7 @@ Each workaround, the DeepSpeed behaviour it works around, and the test that pins
    when it starts, except MoE experts and parameters marked ``ds_optim_param`` (its
    OptimizedLinear's, unique per rank); a parameter split over the whole mesh has another shape
    on each rank (the broadcast fails) or rank 0's rows. It is marked for the call. Pinned by
-   ``tests/test_deepspeed_world.py`` (37 classes: 19 and 18 rows on two ranks; weights match DDP's).
+   ``tests/test_deepspeed_world.py`` (the start-up broadcasts carry the replicated layer only).
 9. `keep_out_of_dp_reduction` -- DeepSpeed's only parameters that are not DP replicas are MoE
    experts, which it averages over an expert DP group (and only when the model holds its MoE
    layers). World-sharded parameters are left out of its optimizer (bigdense steps them:
