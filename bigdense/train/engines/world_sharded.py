@@ -3,11 +3,12 @@
 DeepSpeed's only notion of parameters that are not DP replicas is MoE experts, which it averages
 over a DP group of its own; a world-sharded parameter has no replicas at all, and its layer already
 produces the gradient DDP's averaging would give a TP-sharded head. So `DSEngine` keeps these
-parameters away from DeepSpeed (`ds_compat.keep_out_of_deepspeed`) and steps them here: torch's
-AdamW with DeepSpeed's hyper-parameters, groups and learning rate, fp32 master copies when
-DeepSpeed made the module bf16/fp16, clipped by the one global norm (bigdense's at stage 0,
-ZeRO's made global by `ds_compat.add_to_norm` at stages 1-2), and skipped whenever DeepSpeed
-skips its step (`ds_compat.skip_when` makes it skip for these parameters' gradients too).
+parameters away from DeepSpeed (out of its optimizer, its start-up broadcast and its stage-0
+all-reduce: `ds_compat.initialize`, `keep_out_of_dp_reduction`) and steps them here: torch's AdamW
+with DeepSpeed's hyper-parameters, groups and learning rate, fp32 master copies when DeepSpeed
+made the module bf16/fp16, clipped by the one global norm (bigdense's at stage 0, ZeRO's made
+global by `ds_compat.add_to_norm` at stages 1-2), and skipped whenever DeepSpeed skips its step
+(`ds_compat.skip_when` makes it skip for these parameters' gradients too).
 """
 from __future__ import annotations
 
