@@ -75,6 +75,13 @@ def train(cfg) -> None:
     # 3. Parallelism, applied in a fixed order: TP (the model is built sharded), torch.compile of
     #    each block, activation checkpointing, then the engine (DP, precision, optimizer, clipping).
     model = build_gpt(cfg.model, data.tokenizer.vocab_size, ctx, cfg.parallel)
+    # Weights to start from (trainer.init_from: e.g. a checkpoint of `python -m bigdense.compress`)
+    # go into the plain model before an engine takes copies of them (DeepSpeed's fp32 masters); a
+    # run directory that has a checkpoint resumes from it instead (step 4).
+    resuming = tr.resume and (run.checkpoint_dir / "latest").exists()
+    if tr.init_from and not resuming:
+        meta = bd.load_checkpoint(tr.init_from, model, load_rng=False)
+        log.info("model weights from %s (saved at step %s)", tr.init_from, meta.step)
     if tr.compile:
         compile_blocks(model.blocks, tr.compile_backend)
     apply_recompute(model.blocks, cfg.recompute)
@@ -85,7 +92,7 @@ def train(cfg) -> None:
              cfg.engine.kind, cfg.precision.dtype, cfg.recompute.mode)
 
     # 4. Resume from this run directory's last complete checkpoint, if any (a larger max_steps
-    #    extends the run); else start from trainer.init_from's weights, if given.
+    #    extends the run).
     ckpts = RunCheckpoints(run.checkpoint_dir, engine, tr, cfg)
     start_step, data_offset = 0, 0
     resumed = ckpts.load_latest() if tr.resume else None
@@ -96,9 +103,6 @@ def train(cfg) -> None:
             log.warning("nothing to train: %s is at step %d and trainer.max_steps=%d; extend with a larger "
                         "trainer.max_steps, or start fresh in another trainer.run_dir", run.checkpoint_dir / "latest",
                         start_step, tr.max_steps)
-    elif tr.init_from:  # e.g. a checkpoint of `python -m bigdense.compress`, to fine-tune
-        meta = bd.load_checkpoint(tr.init_from, model, load_rng=False)
-        log.info("model weights from %s (saved at step %s)", tr.init_from, meta.step)
 
     # 5. The loop. The batch of a step is a pure function of (seed, data position), and the data
     #    position is the step plus an offset that only a rollback past bad batches moves.

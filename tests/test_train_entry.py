@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import BIN, ROOT, TRAIN
 
@@ -126,3 +127,27 @@ def test_deepspeed_launcher_with_the_deepspeed_engine(tmp_path, small):
     assert code == 0, out
     assert "mesh tp=2 x dp=1" in out and "engine=deepspeed" in out
     assert (tmp_path / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.parametrize("engine", ["engine=ddp", "engine=deepspeed engine.zero_stage=1"])
+def test_init_from_starts_training_from_that_checkpoints_weights(tmp_path, small, engine):
+    # Saved by one process, loaded at tp=2. A near-zero learning rate: one step must leave the loaded weights where they were (Adam moves
+    # each by at most about lr). An engine that kept copies made before the load (DeepSpeed's fp32
+    # masters) would write the fresh initialisation back instead, moving weights by ~1e-2.
+    from safetensors.torch import load_file
+
+    import bigdense as bd
+
+    source = tmp_path / "source"
+    code, out = run([sys.executable, TRAIN, *small, "trainer.max_steps=2", "optim.lr=0.01", f"hydra.run.dir={source}"])
+    assert code == 0, out
+    tuned = tmp_path / "tuned"
+    code, out = run(torchrun(2, *small, *engine.split(), "trainer.max_steps=1", "optim.lr=1e-9", "optim.min_lr=0",
+                             f"trainer.init_from={source / 'checkpoints' / 'latest'}", f"hydra.run.dir={tuned}"))
+    assert code == 0, out
+    assert "model weights from" in out
+    before = load_file(bd.export_dense(source / "checkpoints" / "latest", tmp_path / "before.safetensors"))
+    after = load_file(bd.export_dense(tuned / "checkpoints" / "latest", tmp_path / "after.safetensors"))
+    assert before.keys() == after.keys()
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=1e-6, msg=name)
