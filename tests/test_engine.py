@@ -235,6 +235,6 @@ def _resume_rank(cases, tmp):
 @pytest.mark.slow  # DeepSpeed engines built at several stages in several ranks
 def test_checkpoint_state_resumes_exactly(tmp_path):
     cases = [("ddp", 0, "fp32"), ("deepspeed", 0, "fp32"), ("deepspeed", 1, "fp32"), ("deepspeed", 2, "fp32"),
-             ("deepspeed", 1, "bf16")]
+             ("deepspeed", 0, "bf16"), ("deepspeed", 1, "bf16")]
     results = run_ranks(_resume_rank, 2, cases, str(tmp_path), timeout=300)
     assert results[0] == results[1] and len(results[0]) == len(cases)

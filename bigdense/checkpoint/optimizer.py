@@ -3,7 +3,7 @@
 `save.py` and `load.py` talk to an `OptimizerAdapter` only; `resolve_optimizer` picks the adapter:
 `TorchOptimizerState` for any ``torch.optim.Optimizer`` (also DeepSpeed's stage-0 client
 optimizer), `bigdense.checkpoint.zero.ZeroOptimizerState` for DeepSpeed ZeRO-1/2 and its BF16
-optimizer. Both store the same thing -- per-parameter tensors under ``optim/<param name>/<key>``
+optimizer, `bigdense.checkpoint.zero.UnfusedMastersState` for its stage-0 bf16/fp16 optimizer. Both store the same thing -- per-parameter tensors under ``optim/<param name>/<key>``
 and parameter groups listing parameter names -- so state saved by either kind loads into the other.
 """
 from __future__ import annotations
@@ -135,7 +135,7 @@ def resolve_optimizer(optimizer, engine) -> Optional[OptimizerAdapter]:
     """
     from ..train.engines.world_sharded import OptimizerPair
     from .split import SplitOptimizerState, WorldShardedState
-    from .zero import ZeroOptimizerState
+    from .zero import UnfusedMastersState, ZeroOptimizerState
 
     if isinstance(optimizer, OptimizerPair):
         return SplitOptimizerState(resolve_optimizer(optimizer.deepspeed, engine), WorldShardedState(optimizer.world),
@@ -148,6 +148,8 @@ def resolve_optimizer(optimizer, engine) -> Optional[OptimizerAdapter]:
         return None
     if ZeroOptimizerState.wraps(optimizer):
         return ZeroOptimizerState(optimizer)
+    if UnfusedMastersState.wraps(optimizer):
+        return UnfusedMastersState(optimizer)
     if type(optimizer).__name__ == "ZeroRedundancyOptimizer":  # its .state holds only this DP rank's part
         raise CheckpointError(
             "torch's ZeroRedundancyOptimizer is not supported by bigdense checkpoints; call its "
@@ -157,5 +159,5 @@ def resolve_optimizer(optimizer, engine) -> Optional[OptimizerAdapter]:
         return TorchOptimizerState(optimizer)
     raise CheckpointError(
         f"optimizer {type(optimizer).__name__} is not supported by bigdense checkpoints (supported: torch "
-        f"optimizers, DeepSpeed ZeRO stages 1-2 and its BF16 optimizer, stage 0 with a torch optimizer)"
+        f"optimizers, DeepSpeed ZeRO stages 1-2 and its BF16 optimizer, and its stage-0 optimizers)"
     )

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-1/2 (and its BF16 optimizer) behind the `OptimizerAdapter` interface.
+"""DeepSpeed's optimizers behind the `OptimizerAdapter` interface: ZeRO-1/2 (and its BF16
+optimizer), and the stage-0 optimizer of bf16/fp16 weights (`UnfusedMastersState`).
 
 Saving writes this DP rank's own partition and gathers nothing: each parameter's fragment in the
 flat fp32 partition (master weights and each optimizer tensor) is a contiguous range of the
@@ -15,7 +16,7 @@ import torch
 
 from ..train.engines import ds_compat
 from .boxes import flat_range_boxes
-from .optimizer import FP32_MASTER, OptimizerAdapter, saved_groups_without_params
+from .optimizer import FP32_MASTER, OptimizerAdapter, TorchOptimizerState, saved_groups_without_params
 from .pieces import ModelState, Piece, optimizer_state_piece, param_name
 
 
@@ -108,5 +109,51 @@ class ZeroOptimizerState(OptimizerAdapter):
                 for key in tensor_keys:
                     if key in s:
                         safe_set_full_optimizer_state(lp, s[key].float(), key)
+        if common is not None:
+            ds_compat.load_loss_scaler_state(self.wrapper, common.get("loss_scaler"))
+
+
+class UnfusedMastersState(TorchOptimizerState):
+    """DeepSpeed's optimizer for bf16/fp16 weights without ZeRO (stage 0): a torch optimizer over
+    one fp32 master per parameter, each mirroring a low-precision module parameter. Saved as that
+    torch optimizer's state plus each master under ``fp32_master`` -- what ZeRO saves -- so either
+    loads into the other, and into plain optimizers. Where DeepSpeed keeps the pairs has no public
+    API: `bigdense.train.engines.ds_compat` reads it (workaround 7)."""
+
+    kind = "deepspeed"
+
+    def __init__(self, wrapper):
+        super().__init__(wrapper.optimizer)
+        self.wrapper = wrapper
+        self.pairs = [list(zip(lps, hps)) for lps, hps in zip(*ds_compat.unfused_masters(wrapper))]
+        self.lp_of = {id(hp): lp for group in self.pairs for lp, hp in group}
+
+    @classmethod
+    def wraps(cls, optimizer) -> bool:
+        return ds_compat.unfused_masters(optimizer) is not None
+
+    def model_param(self, p: torch.Tensor) -> torch.Tensor:
+        return self.lp_of[id(p)]
+
+    def pieces(self, model: ModelState) -> list[Piece]:
+        masters = [optimizer_state_piece(model, param_name(model, lp, "the optimizer"), FP32_MASTER, hp)
+                   for group in self.pairs for lp, hp in group]
+        return super().pieces(model) + masters
+
+    def common(self, model: ModelState) -> dict:
+        return {**super().common(model), "loss_scaler": ds_compat.loss_scaler_state(self.wrapper)}
+
+    def loads_key(self, key: str) -> bool:
+        return True
+
+    def load(self, model: ModelState, common: Optional[dict], tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Optimizer state as a torch optimizer's; masters from the saved masters, else from the
+        just-loaded weights."""
+        super().load(model, common, {n: {k: v for k, v in t.items() if k != FP32_MASTER} for n, t in tensors.items()})
+        with torch.no_grad():
+            for group in self.pairs:
+                for lp, hp in group:
+                    master = tensors.get(model.canonical[id(lp)], {}).get(FP32_MASTER)
+                    hp.copy_(master if master is not None else lp.detach())
         if common is not None:
             ds_compat.load_loss_scaler_state(self.wrapper, common.get("loss_scaler"))

@@ -36,9 +36,12 @@ Each workaround, the DeepSpeed behaviour it works around, and the test that pins
    ``fp32_groups_flat_partition`` (BF16); where a parameter's fragment lies in this DP rank's
    partition is its ``_hp_mapping`` (``lp_fragment_address`` in the parameter,
    ``get_hp_fragment_address()`` in the partition; ``None`` when the rank holds none of it); the
-   fp16 loss scaler's counters are plain attributes of ``loss_scaler``. Pinned by
-   ``tests/test_checkpoint_deepspeed.py`` (ZeRO-1/2 and bf16 partitions saved per DP rank load
-   bit-exactly at other layouts and into plain AdamW).
+   fp16 loss scaler's counters are plain attributes of ``loss_scaler`` (``loss_scale_config``
+   in the stage-0 optimizer). At stage 0, bf16/fp16 weights get an optimizer whose
+   ``fp16_groups`` are the module's parameters and ``fp32_groups`` one master tensor each
+   (`unfused_masters`). Pinned by ``tests/test_checkpoint_deepspeed.py`` (ZeRO-1/2 and bf16
+   partitions saved per DP rank load bit-exactly at other layouts and into plain AdamW) and
+   ``tests/test_engine.py::test_checkpoint_state_resumes_exactly`` (stage 0 bf16 resumes exactly).
 8. `initialize` (``world_sharded=``) -- DeepSpeed broadcasts every module parameter from DP rank 0
    when it starts, except MoE experts and parameters marked ``ds_optim_param`` (its
    OptimizedLinear's, unique per rank); a parameter split over the whole mesh has another shape
@@ -289,14 +292,31 @@ def zero_fragment(param) -> Optional[tuple[int, int, int]]:
     return mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel, mapping.get_hp_fragment_address().start
 
 
+def unfused_masters(optimizer) -> Optional[tuple[list, list]]:
+    """``(low-precision parameter groups, their fp32 master groups)`` of DeepSpeed's stage-0
+    bf16/fp16 optimizer (one master tensor per parameter), or ``None`` for any other optimizer
+    (workaround 7)."""
+    if not (hasattr(optimizer, "optimizer") and hasattr(optimizer, "fp16_groups")):
+        return None
+    masters = getattr(optimizer, "fp32_groups", None)
+    if not isinstance(masters, list) or any(not isinstance(group, list) for group in masters):
+        return None  # the fused fp16 optimizer keeps flat masters, not one per parameter
+    return optimizer.fp16_groups, masters
+
+
+def _scaler(optimizer):
+    """Where the fp16 loss scale's counters live: ``loss_scaler``, or ``loss_scale_config`` (workaround 7)."""
+    return getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)
+
+
 def loss_scaler_state(optimizer) -> Optional[dict]:
     """The fp16 loss scaler's scale and counters, or ``None`` without one (workaround 7)."""
-    scaler = getattr(optimizer, "loss_scaler", None)
+    scaler = _scaler(optimizer)
     return None if scaler is None else {k: getattr(scaler, k) for k in _SCALER_FIELDS if hasattr(scaler, k)}
 
 
 def load_loss_scaler_state(optimizer, state: Optional[dict]) -> None:
-    scaler = getattr(optimizer, "loss_scaler", None)
+    scaler = _scaler(optimizer)
     for k, v in (state or {}).items():
         if scaler is not None and hasattr(scaler, k):
             setattr(scaler, k, v)
