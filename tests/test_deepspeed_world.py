@@ -248,7 +248,7 @@ def _rank_checkpoint(path, stage, dtype):
 
 
 @pytest.mark.slow  # DeepSpeed and DDP engines built several times in two ranks
-@pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (1, "fp32"), (2, "bf16")])  # (bf16 at stage 0: no bigdense checkpoints)
+@pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (0, "bf16"), (1, "fp32"), (2, "bf16")])
 def test_deepspeed_world_checkpoint_loads_into_ddp_and_back_and_resumes_exactly(tmp_path, stage, dtype):
     names = ("head weight", "head bias", "fc weight")
     for rank, r in enumerate(run_ranks(_rank_checkpoint, 2, tmp_path, stage, dtype, timeout=300)):
