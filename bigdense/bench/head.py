@@ -34,6 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import append_json_lines
+
 SEED = 1234
 
 
@@ -169,11 +171,15 @@ def main(argv=None) -> None:
     parser.add_argument("--classes", type=int, default=None,
                         help="default 131,072 (tp), 1,000,000 (sampled), 200,000 (world), 65,536 (bf16)")
     parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=300, help="accuracy: training steps")
-    parser.add_argument("--acc-classes", type=int, default=50_000, help="accuracy: classes")
+    parser.add_argument("--steps", type=int, default=240, help="accuracy: training steps (top-1 also at half-way)")
+    parser.add_argument("--acc-classes", type=int, default=20_000, help="accuracy: classes (at least 3)")
     parser.add_argument("--acc-batch", type=int, default=1024, help="accuracy: batch")
-    parser.add_argument("--acc-lr", type=float, default=3e-3, help="accuracy: AdamW learning rate")
-    parser.add_argument("--noise", type=float, default=0.5, help="accuracy: std of the samples around their centre")
+    parser.add_argument("--acc-lr", type=float, default=1e-2, help="accuracy: AdamW learning rate, every head")
+    parser.add_argument("--acc-scale", type=float, default=None,
+                        help="accuracy: scale s of the margin heads (default: AdaCos's sqrt(2) ln(classes - 1))")
+    parser.add_argument("--acc-eval", default="test", choices=("test", "validation"),
+                        help="accuracy: the held-out draw scored (choose hyper-parameters on validation)")
+    parser.add_argument("--noise", type=float, default=0.6, help="accuracy: std of the samples around their centre")
     parser.add_argument("--before", default=None, help="bf16: a git revision whose fused loss is measured too")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--iters", type=int, default=3)
@@ -184,7 +190,10 @@ def main(argv=None) -> None:
         "--contenders", default="unsharded,bigdense,dtensor",
         help=f"comma-separated, run in this order; any of {', '.join(CONTENDERS)}",
     )
+    parser.add_argument("--json", help="append one JSON object per result to this file")
     args = parser.parse_args(argv)
+    if args.acc_classes < 3:
+        parser.error(f"--acc-classes must be at least 3, got {args.acc_classes}")
     if args.suite != "tp":
         from . import head_xc
 
@@ -204,7 +213,7 @@ def main(argv=None) -> None:
         f"cross-entropy, fwd+bwd; full logits {logits_gib:.2f} GiB; median of {args.iters} after {args.warmup} warm-up"
     )
     budget = 600 + 60 * (args.iters + args.warmup) * max(1.0, args.tokens * args.classes * args.features / 5.5e11)
-    baseline = None
+    baseline, rows = None, []
     for name in names:
         world = 1 if name == "unsharded" else args.tp
         results = run_ranks(
@@ -226,6 +235,11 @@ def main(argv=None) -> None:
             f"peak RSS/rank {rss} GB  {ratio}  loss {results[0][2]:.6f}",
             flush=True,
         )
+        rows.append(dict(suite="tp", contender=name, median_s=median, times_s=per_iter, cpu_s=cpu,
+                         ratio_vs_unsharded=median / baseline if baseline else None,
+                         peak_rss_bytes=[r[1] for r in results], loss=results[0][2]))
+    if args.json:
+        append_json_lines(args.json, rows)
 
 
 if __name__ == "__main__":

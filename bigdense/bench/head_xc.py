@@ -4,25 +4,30 @@
                        time of the fused loss fwd+bwd and peak RSS per rank (the same weights and inputs)
     --suite world      tp=1 x dp=2 under the DDP engine, AdamW: shard="world" vs shard="tp": bytes DDP
                        all-reduces per step for the head (a comm hook counts them), step time, peak RSS
-    --suite accuracy   50,000 classes with Gaussian centres in 64 dims: top-1 after the same steps for
-                       softmax at r=1.0 and r=0.1, ArcFace and CosFace (one process, 2 threads)
+    --suite accuracy   20,000 classes with Gaussian centres in 64 dims, fresh samples each step: held-out
+                       top-1 after the same steps, data and seed for softmax at r=1.0 and r=0.1, ArcFace
+                       and CosFace (at AdaCos's scale for the class count), every head under one AdamW
+                       learning rate; the nearest-true-centre rule as the ceiling (one process, 2 threads)
     --suite bf16       the fused loss under bf16 autocast, fwd+bwd, tp=2: this tree, and with
                        ``--before REF`` the same loss from git revision REF (``git archive``), same run
     --suite xc         all four
 
 Sizes are flags (``--classes``, ``--features``, ``--tokens``, ``--steps``); each contender runs in
 fresh spawned processes so each peak RSS (VmHWM) is its own. Ratios are against the first
-contender of the suite, measured in the same run. For reading, not asserting.
+contender of the suite, measured in the same run; ``--json PATH`` appends one object per result.
+For reading, not asserting.
 """
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 
 import torch
 import torch.nn as nn
 
+from . import append_json_lines
 from .head import SEED, _peak_rss_bytes
 
 
@@ -56,7 +61,7 @@ def _sampled_rank(args, rate):
 def suite_sampled(args, spawn):
     print(f"sampled softmax: {args.classes:,} classes x d={args.features}, {args.tokens:,} tokens, fp32, tp={args.tp} "
           f"(1 thread each), mean CE fwd+bwd, median of {args.iters} after {args.warmup} warm-up")
-    base = None
+    base, rows = None, []
     for rate in (1.0, 0.3, 0.1):
         results = spawn(_sampled_rank, args.tp, args, rate)
         per_iter = [max(ts) for ts in zip(*(r[0] for r in results))]
@@ -65,6 +70,9 @@ def suite_sampled(args, spawn):
         rss = ", ".join(f"{r[1] / 1e9:.2f}" for r in results)
         print(f"  sample_rate={rate:<4}  median {median:7.2f} s  [{', '.join(f'{t:.2f}' for t in per_iter)}]  "
               f"peak RSS/rank {rss} GB  {base / median:5.2f}x faster than r=1.0  loss {results[0][2]:.4f}", flush=True)
+        rows.append(dict(suite="sampled", sample_rate=rate, median_s=median, times_s=per_iter, speedup_vs_r1=base / median,
+                         peak_rss_bytes=[r[1] for r in results], loss=results[0][2]))
+    return rows
 
 
 # ---- world vs tp sharding under DDP ---------------------------------------------------------
@@ -120,7 +128,7 @@ def suite_world(args, spawn):
     print(f"world vs tp sharding: {args.classes:,} classes x d={args.features} ({head_mb:.0f} MB of weight), "
           f"{args.tokens:,} tokens per step over tp=1 x dp=2 (1 thread each), DDP engine + AdamW, fp32, "
           f"median of {args.iters} after {args.warmup} warm-up")
-    base = None
+    base, rows = None, []
     for shard in ("tp", "world"):
         results = spawn(_world_rank, 2, args, shard)
         per_iter = [max(ts) for ts in zip(*(r[0] for r in results))]
@@ -131,57 +139,102 @@ def suite_world(args, spawn):
               f"(all parameters {results[0][3] / 1e6:.2f} MB)  step median {median:6.2f} s  "
               f"[{', '.join(f'{t:.2f}' for t in per_iter)}]  {median / base:4.2f}x shard=tp  "
               f"peak RSS/rank {rss} GB  loss {results[0][4]:.4f}", flush=True)
+        rows.append(dict(suite="world", shard=shard, head_allreduce_bytes=results[0][2], allreduce_bytes=results[0][3],
+                         median_s=median, times_s=per_iter, ratio_vs_tp=median / base,
+                         peak_rss_bytes=[r[1] for r in results], loss=float(results[0][4])))
+    return rows
 
 
 # ---- accuracy on a synthetic many-class problem ---------------------------------------------
+# Held-out draws of fresh samples around the same centres: hyper-parameters are chosen on
+# "validation" (``--acc-eval validation``), the figures reported on "test".
+EVAL_SEEDS = {"test": SEED + 2, "validation": SEED + 3}
+EVAL_SAMPLES = 8192
+
+
+def adacos_scale(classes: int) -> float:
+    """AdaCos's fixed scale ``sqrt(2) * ln(C - 1)``: large enough that a target at a clear angular
+    lead can reach probability near 1 over C classes, no larger (a larger ``s`` sharpens the softmax
+    onto the few hardest negatives)."""
+    return math.sqrt(2.0) * math.log(classes - 1)
+
+
 def _gaussian_batch(centres, n, noise, generator):
     y = torch.randint(0, centres.shape[0], (n,), generator=generator)
     return centres[y] + noise * torch.randn(n, centres.shape[1], generator=generator), y
+
+
+def _centres(args):
+    return torch.randn(args.acc_classes, 64, generator=torch.Generator().manual_seed(SEED))
+
+
+def _eval_batches(args, centres):
+    g = torch.Generator().manual_seed(EVAL_SEEDS[args.acc_eval])
+    return [_gaussian_batch(centres, 1024, args.noise, g) for _ in range(EVAL_SAMPLES // 1024)]
 
 
 def _accuracy_run(args, options):
     import bigdense as bd
 
     torch.set_num_threads(2)
-    dims = 64
-    centres = torch.randn(args.acc_classes, dims, generator=torch.Generator().manual_seed(SEED))
+    centres = _centres(args)
     torch.manual_seed(SEED)
-    encoder = nn.Sequential(nn.Linear(dims, 128), nn.GELU(), nn.Linear(128, 128), nn.LayerNorm(128))
+    encoder = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.LayerNorm(128))
     head = bd.ParallelClassifierHead(128, args.acc_classes, bias=options.get("margin") is None, **options)
     params = [*encoder.parameters(), *head.parameters()]
     opt = torch.optim.AdamW(params, lr=args.acc_lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(SEED + 1)
-    start = time.perf_counter()
-    for _ in range(args.steps):
+    held_out = _eval_batches(args, centres)
+    top1, elapsed = [], 0.0
+    for step in range(1, args.steps + 1):
+        start = time.perf_counter()
         x, y = _gaussian_batch(centres, args.acc_batch, args.noise, g)
         loss = head.loss(encoder(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    elapsed = time.perf_counter() - start
-    test = torch.Generator().manual_seed(SEED + 2)
-    hits, seen = 0, 0
-    with torch.no_grad():
-        for _ in range(8):
-            x, y = _gaussian_batch(centres, 1024, args.noise, test)
-            hits += int((head.predict(encoder(x), k=1)[1][:, 0] == y).sum())
-            seen += len(y)
-    return hits / seen, elapsed, loss.item()
+        elapsed += time.perf_counter() - start
+        if step in (args.steps // 2, args.steps):  # half-way: how fast; the end: how well
+            with torch.no_grad():
+                hits = sum(int((head.predict(encoder(x), k=1)[1][:, 0] == y).sum()) for x, y in held_out)
+            top1.append(hits / EVAL_SAMPLES)
+    return top1, elapsed, loss.item()
+
+
+def _nearest_centre_top1(args) -> float:
+    """Top-1 of the rule that knows the true centres (nearest centre): the ceiling of the problem."""
+    centres = _centres(args)
+    hits = sum(int((torch.cdist(x, centres).argmin(1) == y).sum()) for x, y in _eval_batches(args, centres))
+    return hits / EVAL_SAMPLES
 
 
 def suite_accuracy(args, spawn):
+    scale = args.acc_scale or adacos_scale(args.acc_classes)
     print(f"accuracy: {args.acc_classes:,} classes, Gaussian centres in 64 dims (noise {args.noise}), MLP encoder "
-          f"-> head d=128, AdamW lr {args.acc_lr}, {args.steps} steps of {args.acc_batch}; held-out top-1 on 8,192 "
-          f"samples; one process, 2 threads")
+          f"-> head d=128, AdamW lr {args.acc_lr} for every head, {args.steps} steps of {args.acc_batch} fresh samples, the same for all; "
+          f"margin heads at scale {scale:.2f} ({'--acc-scale' if args.acc_scale else 'AdaCos: sqrt(2) ln(C-1)'}); "
+          f"top-1 on {EVAL_SAMPLES:,} held-out {args.acc_eval} samples; one process, 2 threads")
+    ceiling = _nearest_centre_top1(args)
+    print(f"  {'nearest true centre':<15} top-1 {ceiling:6.1%}  (the problem's ceiling)")
+    rows = [dict(suite="accuracy", head="nearest true centre", top1=ceiling)]
     contenders = [("softmax r=1.0", {}), ("softmax r=0.1", {"sample_rate": 0.1}),
                   ("ArcFace r=1.0", {"margin": "arcface"}), ("CosFace r=1.0", {"margin": "cosface"}),
                   ("ArcFace r=0.1", {"margin": "arcface", "sample_rate": 0.1})]
     base = None
     for label, options in contenders:
-        (top1, elapsed, loss), = spawn(_accuracy_run, 1, args, options)
-        base = top1 if base is None else base
-        print(f"  {label:<15} top-1 {top1:6.1%}  ({(top1 - base) * 100:+5.1f} points vs softmax r=1.0)  "
+        options = {**options, "scale": scale} if "margin" in options else options
+        ((half, top1), elapsed, loss), = spawn(_accuracy_run, 1, args, options)
+        base = (half, top1) if base is None else base
+        print(f"  {label:<15} top-1 {top1:6.1%}  ({(top1 - base[1]) * 100:+5.1f} points vs softmax r=1.0)  "
+              f"at step {args.steps // 2}: {half:6.1%} ({(half - base[0]) * 100:+5.1f})  "
               f"train {elapsed:6.1f} s  last loss {loss:.3f}", flush=True)
+        rows.append(dict(suite="accuracy", head=label, top1=top1, points_vs_softmax=(top1 - base[1]) * 100,
+                         top1_half_way=half, points_vs_softmax_half_way=(half - base[0]) * 100,
+                         train_s=elapsed, loss=loss, scale=options.get("scale")))
+    for row in rows:
+        row.update(classes=args.acc_classes, steps=args.steps, batch=args.acc_batch, lr=args.acc_lr,
+                   noise=args.noise, eval=args.acc_eval)
+    return rows
 
 
 # ---- bf16 fused loss: this tree against an earlier one, in the same run ----------------------
@@ -238,7 +291,7 @@ def suite_bf16(args, spawn):
             contenders.insert(0, (f"before ({args.before})", tmp))
         else:
             print("  (no --before REF: only this tree is measured)")
-        base = None
+        base, rows = None, []
         for label, source in contenders:
             results = spawn(_bf16_rank, args.tp, args, source)
             per_iter = [max(ts) for ts in zip(*(r[0] for r in results))]
@@ -248,6 +301,9 @@ def suite_bf16(args, spawn):
             print(f"  {label:<28} median {median:7.2f} s  [{', '.join(f'{t:.2f}' for t in per_iter)}]  "
                   f"{base / median:5.2f}x faster than the first  peak RSS/rank {rss} GB  loss {results[0][2]:.4f}",
                   flush=True)
+            rows.append(dict(suite="bf16", tree=label, median_s=median, times_s=per_iter, speedup_vs_first=base / median,
+                             peak_rss_bytes=[r[1] for r in results], loss=results[0][2]))
+    return rows
 
 
 SUITES = {"sampled": suite_sampled, "world": suite_world, "accuracy": suite_accuracy, "bf16": suite_bf16}
@@ -267,4 +323,6 @@ def run(args) -> None:
         suite_args = copy.copy(args)
         suite_args.features = args.features or (512 if name == "bf16" else 128)
         suite_args.classes = args.classes or DEFAULT_CLASSES[name]
-        SUITES[name](suite_args, spawn)
+        rows = SUITES[name](suite_args, spawn)
+        if args.json:
+            append_json_lines(args.json, rows)

@@ -82,7 +82,9 @@ class ParallelClassifierHead(ColumnParallelLinear):
     ``(m1, m2, m3)``; the logits become ``scale * cos`` of L2-normalised features and class vectors,
     the target's ``scale * (cos(m1 theta + m2) - m3)`` (`bigdense.layers.margin`), inside the fused
     chunked loss. Needs ``bias=False``. ``logits`` and ``predict`` then give ``scale * cos``, so
-    ``predict`` ranks by cosine.
+    ``predict`` ranks by cosine. ``scale`` is InsightFace's 64 by default; far above what the class
+    count needs (AdaCos's ``sqrt(2) ln(C - 1)``: 14 for 20,000 classes) it puts the softmax on the
+    few hardest negatives and slows early training (README, accuracy suite).
     """
 
     def __init__(
