@@ -1,5 +1,6 @@
 """`python -m bigdense.bench.head --suite accuracy` at toy size: every head trains on the same data,
-the margin heads get AdaCos's scale, the JSON rows say what was measured, bad sizes are refused."""
+the margin heads get AdaCos's scale, the JSON rows say what was measured, and sizes the suite
+cannot measure are refused."""
 import json
 import math
 
@@ -26,7 +27,8 @@ def test_accuracy_suite_writes_one_json_row_per_head(tmp_path, capsys):
     assert "points vs softmax r=1.0" in capsys.readouterr().out
 
 
-def test_accuracy_suite_refuses_fewer_than_three_classes(capsys):
+@pytest.mark.parametrize("flags", [["--acc-classes", "2"], ["--steps", "1"]])
+def test_accuracy_suite_refuses_sizes_it_cannot_measure(flags, capsys):
     with pytest.raises(SystemExit):
-        head.main(["--suite", "accuracy", "--acc-classes", "2"])
-    assert "--acc-classes must be at least 3, got 2" in capsys.readouterr().err
+        head.main(["--suite", "accuracy", *flags])
+    assert "--acc-classes must be at least 3 and --steps at least 2, got" in capsys.readouterr().err

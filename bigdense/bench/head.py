@@ -192,8 +192,8 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--json", help="append one JSON object per result to this file")
     args = parser.parse_args(argv)
-    if args.acc_classes < 3:
-        parser.error(f"--acc-classes must be at least 3, got {args.acc_classes}")
+    if args.acc_classes < 3 or args.steps < 2:
+        parser.error(f"--acc-classes must be at least 3 and --steps at least 2, got {args.acc_classes} and {args.steps}")
     if args.suite != "tp":
         from . import head_xc
 

@@ -153,9 +153,9 @@ EVAL_SAMPLES = 8192
 
 
 def adacos_scale(classes: int) -> float:
-    """AdaCos's fixed scale ``sqrt(2) * ln(C - 1)``: large enough that a target at a clear angular
-    lead can reach probability near 1 over C classes, no larger (a larger ``s`` sharpens the softmax
-    onto the few hardest negatives)."""
+    """AdaCos's fixed scale ``sqrt(2) * ln(C - 1)``: with the C - 1 negatives at 90 degrees, a target
+    at 45 degrees gets probability 1/2, so the loss separates near and far targets; a much larger
+    ``s`` puts the softmax on the few hardest negatives."""
     return math.sqrt(2.0) * math.log(classes - 1)
 
 
@@ -209,10 +209,11 @@ def _nearest_centre_top1(args) -> float:
 
 
 def suite_accuracy(args, spawn):
-    scale = args.acc_scale or adacos_scale(args.acc_classes)
+    scale = adacos_scale(args.acc_classes) if args.acc_scale is None else args.acc_scale
     print(f"accuracy: {args.acc_classes:,} classes, Gaussian centres in 64 dims (noise {args.noise}), MLP encoder "
-          f"-> head d=128, AdamW lr {args.acc_lr} for every head, {args.steps} steps of {args.acc_batch} fresh samples, the same for all; "
-          f"margin heads at scale {scale:.2f} ({'--acc-scale' if args.acc_scale else 'AdaCos: sqrt(2) ln(C-1)'}); "
+          f"-> head d=128, AdamW lr {args.acc_lr} for every head, {args.steps} steps of {args.acc_batch} fresh "
+          f"samples, the same for all; margin heads at scale {scale:.2f} "
+          f"({'AdaCos: sqrt(2) ln(C-1)' if args.acc_scale is None else '--acc-scale'}); "
           f"top-1 on {EVAL_SAMPLES:,} held-out {args.acc_eval} samples; one process, 2 threads")
     ceiling = _nearest_centre_top1(args)
     print(f"  {'nearest true centre':<15} top-1 {ceiling:6.1%}  (the problem's ceiling)")
