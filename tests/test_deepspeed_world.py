@@ -265,6 +265,58 @@ def test_deepspeed_world_checkpoint_loads_into_ddp_and_back_and_resumes_exactly(
                 assert torch.equal(a, b), f"{name}: a run resumed through DDP differs from the straight one: {what}"
 
 
+def _rank_dense_load(stage):
+    """A bf16 DeepSpeed engine (world head) trains 2 steps, then takes a plain state dict."""
+    bd.init_parallel(tp=1)
+    ctx = bd.get_default_context()
+    engine, model = _engine("deepspeed", stage, "bf16")
+    for step in range(2):
+        torch.manual_seed(100 + step)
+        engine.train_step(_batches(step, ctx))
+    g = torch.Generator().manual_seed(5)
+    plain = {"fc.weight": torch.randn(D, D, generator=g), "fc.bias": torch.randn(D, generator=g),
+             "head.weight": torch.randn(C, D, generator=g), "head.bias": torch.randn(C, generator=g)}
+    try:
+        bd.load_dense_state_dict(engine.ds, plain)
+        refused = None
+    except TypeError as err:
+        refused = str(err)
+    bd.load_dense_state_dict(engine, plain)
+    world = {n: (p, m) for n, p in model.named_parameters() for q, m in zip(engine.world.params, engine.world.masters)
+             if p is q}
+    return dict(refused=refused, dense=_dense(model), plain=plain,
+                world={n: (p.detach().float(), m.detach().clone()) for n, (p, m) in world.items()},
+                fc_master=_deepspeed_master(engine, model.fc.weight).clone())
+
+
+def _deepspeed_master(engine, param):
+    from deepspeed.utils import safe_get_full_fp32_param
+    from bigdense.train.engines import ds_compat
+
+    master = safe_get_full_fp32_param(param)
+    if master is None:  # stage 0 bf16: DeepSpeed's unfused optimizer, which that API does not reach (ds_compat 7)
+        lps, hps = ds_compat.unfused_masters(engine.optimizer)
+        master = next(hp for lp_group, hp_group in zip(lps, hps) for lp, hp in zip(lp_group, hp_group) if lp is param)
+    return master
+
+
+@pytest.mark.slow  # DeepSpeed engines in two ranks
+@pytest.mark.parametrize("stage", [0, 1])
+def test_dense_state_dict_reaches_the_world_heads_fp32_masters(stage):
+    for rank, r in enumerate(run_ranks(_rank_dense_load, 2, stage, timeout=300)):
+        name = f"zero-{stage} bf16 rank {rank}"
+        # DeepSpeed's optimizer cannot see the world head's masters: its engine alone is refused.
+        assert r["refused"] and "'head.weight'" in r["refused"] and "bigdense engine" in r["refused"], r["refused"]
+        bf16 = {k: v.to(torch.bfloat16).float() for k, v in r["plain"].items()}
+        for what, got, key in zip(("head weight", "head bias", "fc weight"), r["dense"],
+                                  ("head.weight", "head.bias", "fc.weight")):
+            assert torch.equal(got, bf16[key]), f"{name}: {what} not loaded"
+        assert set(r["world"]) == {"head.weight", "head.bias"}, r["world"].keys()
+        for what, (weight, master) in r["world"].items():
+            assert torch.equal(master, weight), f"{name}: {what}'s fp32 master was left at the trained value"
+        assert torch.equal(r["fc_master"], bf16["fc.weight"]), f"{name}: DeepSpeed's fc master not reloaded"
+
+
 def test_config_accepts_a_world_sharded_head_with_deepspeed():
     from omegaconf import OmegaConf
     from bigdense.config import TrainConfig, validate

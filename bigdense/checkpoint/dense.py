@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Union
 
 import torch
+from torch import nn
 
 from ._agree import agree
 from .boxes import narrow_box
@@ -23,6 +24,7 @@ from .format import (
 from ..durable import hidden_sibling
 from .optimizer import resolve_optimizer
 from .pieces import current_context, model_pieces, unwrap
+from .split import SplitOptimizerState
 
 
 def export_dense(ckpt_path, out_file, *, dtype: Optional[torch.dtype] = None, verify: bool = True) -> Path:
@@ -93,21 +95,26 @@ def load_dense_state_dict(
     safetensors file (such as `export_dense` writes), which is memory-mapped so each rank reads only
     its own slices. Names are the plain model's; sharded parameters take their slice per the
     layers' ``bd_shard_specs()``, replicated ones the whole tensor. ``model`` may be an
-    ``nn.Module``, a DDP wrapper or a DeepSpeedEngine; with DeepSpeed (the engine, or its
-    ``optimizer`` passed here) the fp32 master weights are set to the loaded values too.
+    ``nn.Module``, a DDP wrapper, a DeepSpeedEngine or a bigdense engine (``bd.build_engine``'s);
+    the fp32 master weights of the optimizer (``optimizer``, else the engine's) are set to the
+    loaded values too -- DeepSpeed's, and those of world-sharded parameters, which bigdense's
+    `DSEngine` steps beside DeepSpeed (pass that engine, not its ``.ds``).
 
     Collective when distributed (every rank calls it): names and global shapes are checked on every
     rank and agreed on before any parameter changes. ``strict``: the names must match exactly.
     Returns the model tensors not found (empty when ``strict``).
     """
+    if not isinstance(model, nn.Module) and hasattr(model, "checkpoint_state"):  # a bigdense engine
+        parts = model.checkpoint_state()
+        model, optimizer = parts["model"], optimizer if optimizer is not None else parts["optimizer"]
     module, engine = unwrap(model)
-    if engine is not None:
-        optimizer = engine.optimizer
+    adapter = resolve_optimizer(optimizer, engine)
+    _check_masters_reachable(module, engine, adapter)
     ctx = current_context()
     source = str(state_dict) if isinstance(state_dict, (str, os.PathLike)) else "the state dict"
     plan = agree(f"load_dense_state_dict({source})",
                  lambda: _plan_dense_load(module, state_dict, source, strict, ctx.tp_rank, ctx.tp_size))
-    agree(f"load_dense_state_dict({source}): applying", lambda: _apply_dense_load(plan, state_dict, optimizer))
+    agree(f"load_dense_state_dict({source}): applying", lambda: _apply_dense_load(plan, state_dict, adapter))
     return plan.missing
 
 
@@ -152,7 +159,23 @@ def _plan_dense_load(module, state_dict, source: str, strict: bool, tp_rank: int
     return _DenseLoadPlan(reader, model_state, sources, missing)
 
 
-def _apply_dense_load(plan: _DenseLoadPlan, state_dict, optimizer) -> None:
+def _check_masters_reachable(module, engine, adapter) -> None:
+    """A DeepSpeedEngine alone cannot reach the fp32 masters of world-sharded bf16/fp16 parameters
+    (bigdense's `WorldShardedAdamW` holds them, not DeepSpeed): refuse rather than leave them stale."""
+    from ..train.clip import is_world_sharded
+
+    if engine is None or isinstance(adapter, SplitOptimizerState):
+        return
+    stale = [n for n, p in module.named_parameters() if is_world_sharded(p) and p.dtype != torch.float32]
+    if stale:
+        raise TypeError(
+            f"load_dense_state_dict: the DeepSpeedEngine's world-sharded {stale[0]!r} ({len(stale)} such "
+            f"parameters) keeps its fp32 master in bigdense's DSEngine, not in DeepSpeed's optimizer; pass "
+            f"the bigdense engine (bd.build_engine's), not its .ds"
+        )
+
+
+def _apply_dense_load(plan: _DenseLoadPlan, state_dict, adapter) -> None:
     """Copy each rank's slice into its parameters, closing the file; derived optimizer state
     (DeepSpeed's fp32 masters) follows the weights."""
     try:
@@ -164,6 +187,5 @@ def _apply_dense_load(plan: _DenseLoadPlan, state_dict, optimizer) -> None:
     finally:
         if plan.reader is not None:
             plan.reader.close()
-    adapter = resolve_optimizer(optimizer, None)
     if adapter is not None:
         adapter.load(plan.model_state, None, {})

@@ -85,13 +85,6 @@ class WorldShardedAdamW:
             if p is not master:
                 p.copy_(master)
 
-    def sync_masters(self) -> None:
-        """Masters from the module's weights (after weights were loaded without optimizer state)."""
-        with torch.no_grad():
-            for p, master in zip(self.params, self.masters):
-                if p is not master:
-                    master.copy_(p)
-
 
 @dataclass
 class OptimizerPair:
