@@ -100,6 +100,69 @@ def test_gpt_with_sequence_parallelism_matches_tp1_with_dropout_on(activation):
             assert_close(clipped, ref_clipped, f"{where}: clipped ln_f grad", rtol=0, atol=5e-6 * ref_clipped.abs().max())
 
 
+# ---- the DDP engine sums the partial gradients once per step ----
+ACCUM, ROWS = 2, 2  # micro-batches per step; rows per DP rank
+
+
+def _engine_vs_eager(tp, recompute):
+    """One DDP-engine step (SP, 2 micro-batches) against the layers' own eager sums: the same
+    model built twice, the same micro-batches, rows and dropout seeds."""
+    from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
+    from bigdense.parallel.partial_grads import partial_grad_params
+
+    ctx = bd.init_parallel(tp=tp)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, VOCAB, (ROWS * ctx.dp_size, SEQ), generator=g) for _ in range(ACCUM)]
+    mine = [idx[ctx.dp_rank * ROWS:(ctx.dp_rank + 1) * ROWS] for idx in batches]
+
+    def build():
+        torch.manual_seed(0)
+        model = GPT(_cfg(sequence_parallel=True), tp_group=ctx.tp_group)
+        bd.apply_recompute(model.blocks, RecomputeConfig(mode=recompute))
+        return model
+
+    model = build()
+    engine = bd.build_engine(model, ctx, engine_cfg=EngineConfig(kind="ddp"), optim_cfg=OptimConfig(grad_clip=0.0),
+                             precision_cfg=PrecisionConfig(dtype="fp32"), micro_batch_size=ROWS,
+                             grad_accum=ACCUM, max_steps=1)
+    torch.manual_seed(5)
+    with bd.set_checks(False), bd.count_collectives() as counts:
+        engine.train_step([(idx, idx.roll(-1, dims=1)) for idx in mine])
+    deferred = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    twin = build()
+    torch.manual_seed(5)
+    for idx in mine:
+        with bd.batch_slice(ctx.dp_rank * ROWS, ctx.dp_size * ROWS):
+            (twin(idx, idx.roll(-1, dims=1)) / ACCUM).backward()
+    eager = {}
+    for n, p in twin.named_parameters():  # DDP's averaging, done by hand
+        eager[n] = comm.all_reduce_(p.grad.clone(), ctx.dp_group) / ctx.dp_size if ctx.dp_size > 1 else p.grad
+    partial_bytes = sum(p.numel() * 4 for p, _ in partial_grad_params(model))
+    reduces = [b for phase, kind, b in counts.events if phase == "issue" and kind == "all_reduce"]
+    return deferred, eager, partial_bytes, reduces, [n for n, p in model.named_parameters()
+                                                       if any(p is q for q, _ in partial_grad_params(model))]
+
+
+@pytest.mark.parametrize("tp,world,recompute", [(2, 2, "none"), (2, 2, "full"),
+                                                pytest.param(2, 4, "none", marks=pytest.mark.slow)])
+def test_ddp_engine_sums_the_partial_gradients_once_per_step(tp, world, recompute):
+    for rank, (deferred, eager, partial_bytes, reduces, partial) in enumerate(
+            run_ranks(_engine_vs_eager, world, tp, recompute)):
+        where = f"tp={tp} world={world} recompute={recompute}, rank {rank}"
+        # Per block: ln1, ln2 (weight and bias), the attention-out and MLP-down biases; and ln_f.
+        assert len(partial) == 2 * 6 + 2 and all(n.endswith(("ln1.weight", "ln2.bias", "ln_f.weight", "out.bias",
+                                                             "down.bias", "ln1.bias", "ln2.weight", "ln_f.bias"))
+                                                  for n in partial), partial
+        # One all-reduce of all of them for the step (eagerly: one per parameter per micro-batch,
+        # 28 here); the step's other all-reduces are scalars (the norm, the skip vote, the loss).
+        assert reduces.count(partial_bytes) == 1 and all(b == partial_bytes or b <= 8 for b in reduces), reduces
+        for name, g in deferred.items():
+            # Summing over TP after accumulating (and after DP averaging) instead of before only
+            # reorders the additions: 1e-6 of the tensor's largest entry.
+            assert_close(g, eager[name], f"{where}: grad {name}", rtol=0, atol=1e-6 * eager[name].abs().max())
+
+
 def _recompute_grads():
     ctx = bd.init_parallel(tp=2)
     results = {}

@@ -21,9 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..parallel.regions import (
-    ColumnComm, column_parallel_linear, copy_to_tp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence,
-    scatter_to_tp,
+    ColumnComm, column_parallel_linear, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp,
 )
+from ..parallel.partial_grads import on_sequence_shares
 from ..parallel.sharding import shard_range, shard_sizes
 from ..validation import check_positive_int
 from .base import TensorParallelModule, check_from_dense
@@ -202,7 +202,8 @@ class RowParallelLinear(_ParallelLinear):
     ``sequence_parallel=True``: input ``(*, S, in_local)``, output ``(*, S_local, out_features)``,
     this rank's balanced share of the sequence: forward reduce-scatter along the sequence instead
     of the all-reduce, backward all-gather. The bias, replicated, is added to the share and its
-    gradient summed over TP in backward, so every rank holds the full gradient.
+    gradient summed over TP in backward, so every rank holds the full gradient (or, inside a
+    training engine's step, once per step: `bigdense.parallel.partial_grads`).
     """
 
     _split_dim = 1
@@ -227,6 +228,11 @@ class RowParallelLinear(_ParallelLinear):
     def in_features_per_partition(self) -> int:
         return self.partition_size
 
+    def bd_partial_grad_params(self) -> list:
+        """The bias under sequence parallelism: each rank adds it to its share only, so its
+        gradient is partial over TP (`bigdense.parallel.partial_grads`)."""
+        return [self.bias] if self.sequence_parallel and self.bias is not None and self.tp_size > 1 else []
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_is_parallel:
             what = f"this rank's slice of in_features={self.in_features}, input_is_parallel=True"
@@ -240,7 +246,7 @@ class RowParallelLinear(_ParallelLinear):
         if not self.sequence_parallel:
             y, bias = reduce_from_tp(y, self.tp_group), self.bias
         else:
-            # Each rank adds the bias to its share only: its gradient is summed over TP in backward.
+            # Each rank adds the bias to its share only: its gradient is partial over TP.
             y = reduce_scatter_to_sequence(y, self.tp_group)
-            bias = None if self.bias is None else copy_to_tp(self.bias, self.tp_group)
+            bias = None if self.bias is None else on_sequence_shares(self.bias, self.tp_group)
         return y if bias is None else y + bias.to(y.dtype)

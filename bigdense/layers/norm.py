@@ -2,9 +2,10 @@
 
 Under sequence parallelism each TP rank normalises its own share of the sequence, so the
 gradient of the (replicated) weight and bias on one rank is a partial sum. These layers pass their
-parameters through `copy_to_tp` (forward identity, backward all-reduce over TP), so after
-``backward()`` every rank holds the full gradient, exactly as without sequence parallelism, and
-clipping, optimizers and checkpoints treat them as ordinary replicated parameters. State-dict
+parameters through `partial_grads.on_sequence_shares` (forward identity, backward all-reduce over
+TP), so after ``backward()`` every rank holds the full gradient, exactly as without sequence
+parallelism, and clipping, optimizers and checkpoints treat them as ordinary replicated
+parameters (a training engine may defer that sum to one all-reduce per step: `partial_grads`). State-dict
 names are ``nn.LayerNorm``'s and ``nn.RMSNorm``'s, so checkpoints do not depend on the setting.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from ..parallel import comm
 from ..parallel.context import resolve_tp_group
-from ..parallel.regions import copy_to_tp
+from ..parallel.partial_grads import on_sequence_shares
 
 
 class _SequenceParallelNorm:
@@ -27,9 +28,15 @@ class _SequenceParallelNorm:
 
     def _params(self):
         params = (self.weight, getattr(self, "bias", None))
-        if not self.sequence_parallel or comm.group_size(self.tp_group) == 1:
+        if not self.sequence_parallel:
             return params
-        return tuple(None if p is None else copy_to_tp(p, self.tp_group) for p in params)
+        return tuple(None if p is None else on_sequence_shares(p, self.tp_group) for p in params)
+
+    def bd_partial_grad_params(self) -> list:
+        """The parameters whose gradient is partial over TP (`bigdense.parallel.partial_grads`)."""
+        if not self.sequence_parallel or comm.group_size(self.tp_group) == 1:
+            return []
+        return [p for p in (self.weight, getattr(self, "bias", None)) if p is not None]
 
 
 class LayerNorm(_SequenceParallelNorm, nn.LayerNorm):

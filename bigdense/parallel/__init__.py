@@ -8,6 +8,7 @@ from .context import (
     set_default_context,
 )
 from .comm import CollectiveCounts, count_collectives
+from .partial_grads import deferred_partial_grad_sums, partial_grad_params, sum_partial_grads_
 from .random import batch_slice, tp_dropout
 from .regions import (
     copy_to_tp, gather_batch_from_dp, gather_from_sequence, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence,
@@ -19,5 +20,6 @@ __all__ = [
     "ParallelContext", "ParallelDims", "init_parallel", "destroy_parallel", "get_default_context",
     "set_default_context", "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "gather_batch_from_dp",
     "gather_from_sequence", "reduce_scatter_to_sequence", "scatter_to_sequence", "count_collectives", "CollectiveCounts",
-    "ShardSpec", "shard_sizes", "shard_range", "tp_dropout", "batch_slice",
+    "ShardSpec", "shard_sizes", "shard_range", "tp_dropout", "batch_slice", "deferred_partial_grad_sums",
+    "partial_grad_params", "sum_partial_grads_",
 ]

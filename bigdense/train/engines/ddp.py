@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ...layers.base import named_shard_specs
 from ...parallel import comm
+from ...parallel.partial_grads import deferred_partial_grad_sums, partial_grad_params, sum_partial_grads_
 from ...validation import check_positive
 from ..clip import clip_grad_norm_, grad_norm
 from ..precision import Precision
@@ -32,7 +33,10 @@ class DDPEngine(Engine):
     shards), and only when ``dp_size > 1``; parameters split over every rank (shard spec
     ``group="world"``: a world-sharded classifier head) are left out of its reduction. All
     micro-batches but the last run under ``no_sync()``,
-    so gradients are all-reduced once per step. Then, in order: fp16 unscale (foreach, a local
+    so gradients are all-reduced once per step. Under sequence parallelism the layers leave the
+    partial gradients of their replicated parameters (norms, row biases) for the engine, which
+    sums them over TP in one all-reduce after the last backward (`parallel.partial_grads`).
+    Then, in order: fp16 unscale (foreach, a local
     found-inf flag), `clip_grad_norm_` with ``optim.grad_clip`` (foreach, one TP all-reduce), one
     world all-reduce agreeing on skipping, the fused AdamW step and the LR schedule (both held on
     the device when skipped), the loss-scale update, and one DP all-reduce of the loss for
@@ -83,6 +87,7 @@ class DDPEngine(Engine):
         )
         self.scheduler = build_lr_schedule(self.optimizer, optim_cfg, settings.max_steps)
         self._params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self._partial = partial_grad_params(model)
         self._applied = torch.zeros((), dtype=torch.int64, device=ctx.device)  # applied optimizer steps
         self._host_epoch = self.scheduler.last_epoch  # the scheduler's value when it last matched
 
@@ -94,17 +99,19 @@ class DDPEngine(Engine):
         self.optimizer.zero_grad(set_to_none=True)
         n = len(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for i, (x, y) in enumerate(micro_batches):
-            last = i == n - 1
-            sync = self.wrapped.no_sync() if (self.wrapped is not self.model and not last) else contextlib.nullcontext()
-            with sync:
-                with self._batch_slice(), self.precision.autocast():
-                    loss = self._check_loss(self.wrapped(x, y))
-                loss_sum += loss.detach().float()
-                scaled = loss.float() / n
-                if self.scaler is not None:
-                    scaled = self.scaler.scale(scaled)
-                scaled.backward()
+        with deferred_partial_grad_sums() if self._partial else contextlib.nullcontext():
+            for i, (x, y) in enumerate(micro_batches):
+                last = i == n - 1
+                sync = self.wrapped.no_sync() if (self.wrapped is not self.model and not last) else contextlib.nullcontext()
+                with sync:
+                    with self._batch_slice(), self.precision.autocast():
+                        loss = self._check_loss(self.wrapped(x, y))
+                    loss_sum += loss.detach().float()
+                    scaled = loss.float() / n
+                    if self.scaler is not None:
+                        scaled = self.scaler.scale(scaled)
+                    scaled.backward()
+        sum_partial_grads_(self._partial)
 
         loss_scale = self.scaler.scale_tensor.clone() if self.scaler is not None else torch.ones((), device=loss_sum.device)
         bad = torch.zeros((), dtype=torch.float32, device=loss_sum.device)

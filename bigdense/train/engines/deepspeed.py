@@ -65,6 +65,9 @@ class DSEngine(Engine):
     So in this engine ``engine.model``'s weights are bf16/fp16 copies; the fp32 masters are
     DeepSpeed's (``deepspeed.utils.safe_get_full_fp32_param``). ``gradient_clipping`` is
     ``optim.grad_clip``; AdamW is DeepSpeed's ``torch_adam`` (torch's AdamW) with the same groups.
+    Under sequence parallelism the layers sum their replicated parameters' partial gradients in
+    each backward (DeepSpeed reduces gradients in its own hooks and buffers, so the DDP engine's
+    one deferred sum per step, `parallel.partial_grads`, is not used here).
 
     At ZeRO stage 0 bigdense clips with `clip_grad_norm_` itself (on the DP-averaged gradients,
     before DeepSpeed's step; fp16 gradients are still scaled, so it clips at ``grad_clip * scale``)
