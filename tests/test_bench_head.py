@@ -32,3 +32,22 @@ def test_accuracy_suite_refuses_sizes_it_cannot_measure(flags, capsys):
     with pytest.raises(SystemExit):
         head.main(["--suite", "accuracy", *flags])
     assert "--acc-classes must be at least 3 and --steps at least 2, got" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # four spawned pairs of ranks, two of them DeepSpeed engines
+def test_world_suite_counts_no_head_byte_in_either_engines_dp_collectives(tmp_path):
+    path = tmp_path / "world.jsonl"
+    classes, features = 2000, 16
+    head.main(["--suite", "world", "--classes", str(classes), "--features", str(features), "--tokens", "64",
+               "--iters", "1", "--warmup", "1", "--json", str(path)])
+    rows = {(r["engine"], r["shard"]): r for r in map(json.loads, open(path))}
+    head_bytes = classes * features * 4
+    fc = rows["ddp", "tp"]["fc_param_bytes"]
+    # DDP all-reduces every gradient it was not told to ignore: the head's too when TP-sharded.
+    assert rows["ddp", "world"]["dp_bytes"] == fc and rows["ddp", "tp"]["dp_bytes"] == fc + head_bytes
+    # DeepSpeed ZeRO-1 all-reduces gradients and all-gathers the updated partitions (2x the
+    # parameters it holds), plus a few scalars; never the world-sharded head.
+    assert 2 * fc <= rows["deepspeed", "world"]["dp_bytes"] < 2 * fc + 64
+    assert rows["deepspeed", "tp"]["dp_bytes"] >= 2 * (fc + head_bytes)
+    for engine in ("ddp", "deepspeed"):  # the same loss either way (the sharding is exact)
+        assert rows[engine, "world"]["loss"] == pytest.approx(rows[engine, "tp"]["loss"], rel=1e-6)

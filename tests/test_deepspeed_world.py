@@ -6,13 +6,13 @@ DeepSpeed's DP collectives, and checkpoints that load into DDP and back and resu
 The DDP engine's handling of a world-sharded head is pinned against TP-only and unsharded references
 in ``test_head_xc.py``; here it is the reference.
 """
-import contextlib
 import math
 
 import pytest
 import torch
 
 import bigdense as bd
+from bigdense.bench.counters import count_deepspeed_bytes
 from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
 from bigdense.testing import run_ranks
 
@@ -136,41 +136,6 @@ def test_deepspeed_world_head_matches_ddp_tp2_dp2():
 
 
 # ---- DeepSpeed's DP collectives ----
-_KINDS = ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor",
-          "all_gather", "broadcast", "all_reduce_coalesced")
-
-
-@contextlib.contextmanager
-def _deepspeed_bytes():
-    """Bytes DeepSpeed's own collectives (``deepspeed.comm``) hand the backend, by kind: the first
-    tensor of each call (the buffer reduced, gathered or broadcast). bigdense's collectives (the
-    head's all-gather and reduce-scatter, the norm's scalars) go to torch.distributed directly and
-    are not counted."""
-    from deepspeed.comm import comm as ds_comm
-
-    if ds_comm.cdb is None:  # DeepSpeed's backend object, made at its first initialize: made now to patch it
-        ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
-    counts, backend = {}, ds_comm.cdb
-    originals = {kind: getattr(backend, kind) for kind in _KINDS if hasattr(backend, kind)}
-
-    def counting(kind, fn):
-        def call(*args, **kwargs):
-            values = list(args) + list(kwargs.values())
-            tensors = [a for a in values if torch.is_tensor(a)]
-            tensors += [t for a in values if isinstance(a, (list, tuple)) for t in a if torch.is_tensor(t)]
-            counts[kind] = counts.get(kind, 0) + sum(t.numel() * t.element_size() for t in tensors[:1])
-            return fn(*args, **kwargs)
-        return call
-
-    for kind, fn in originals.items():
-        setattr(backend, kind, counting(kind, fn))
-    try:
-        yield counts
-    finally:
-        for kind, fn in originals.items():
-            setattr(backend, kind, fn)
-
-
 def _rank_bytes(stage, dtype):
     """DeepSpeed's bytes while it starts, and in two steps, for the world-sharded head, a frozen
     head and a DP-replicated one."""
@@ -178,9 +143,9 @@ def _rank_bytes(stage, dtype):
     ctx = bd.get_default_context()
     out = []
     for shard, frozen in (("world", False), ("tp", True), ("tp", False)):
-        with _deepspeed_bytes() as start:
+        with count_deepspeed_bytes() as start:
             engine, _ = _engine("deepspeed", stage, dtype, shard=shard, frozen_head=frozen)
-        with _deepspeed_bytes() as steps:
+        with count_deepspeed_bytes() as steps:
             for step in range(2):
                 torch.manual_seed(100 + step)
                 engine.train_step(_batches(step, ctx))

@@ -1,4 +1,5 @@
-"""Proxies on CPU for what a GPU step costs: kernels launched and host synchronisations.
+"""Proxies on CPU for what a GPU step costs: kernels launched, host synchronisations, and the bytes
+DeepSpeed's own collectives move (`count_deepspeed_bytes`).
 
 ``OpCounter`` is a TorchDispatchMode: every aten op that reaches the dispatcher is one kernel
 launch on a GPU (minus views, which launch nothing and are counted apart), and the ops that make
@@ -10,6 +11,7 @@ aten op, so it is counted by patching it for the duration).
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -70,3 +72,38 @@ class OpCounter(TorchDispatchMode):
     def __exit__(self, *exc):
         torch.Tensor.tolist = self._tolist
         return super().__exit__(*exc)
+
+
+_DEEPSPEED_KINDS = ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter", "all_gather_into_tensor",
+                    "all_gather", "broadcast", "all_reduce_coalesced")
+
+
+@contextlib.contextmanager
+def count_deepspeed_bytes():
+    """``{kind: bytes}`` that DeepSpeed's own collectives (``deepspeed.comm``) hand the backend
+    inside the block: the first tensor of each call (the buffer reduced, gathered or broadcast).
+    bigdense's collectives go to torch.distributed directly and are not counted (that is
+    `bigdense.count_collectives`)."""
+    from deepspeed.comm import comm as ds_comm
+
+    if ds_comm.cdb is None:  # DeepSpeed's backend object, made at its first initialize: made now to patch it
+        ds_comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
+    counts, backend = {}, ds_comm.cdb
+    originals = {kind: getattr(backend, kind) for kind in _DEEPSPEED_KINDS if hasattr(backend, kind)}
+
+    def counting(kind, fn):
+        def call(*args, **kwargs):
+            values = list(args) + list(kwargs.values())
+            tensors = [a for a in values if torch.is_tensor(a)]
+            tensors += [t for a in values if isinstance(a, (list, tuple)) for t in a if torch.is_tensor(t)]
+            counts[kind] = counts.get(kind, 0) + sum(t.numel() * t.element_size() for t in tensors[:1])
+            return fn(*args, **kwargs)
+        return call
+
+    for kind, fn in originals.items():
+        setattr(backend, kind, counting(kind, fn))
+    try:
+        yield counts
+    finally:
+        for kind, fn in originals.items():
+            setattr(backend, kind, fn)

@@ -181,6 +181,8 @@ def main(argv=None) -> None:
                         help="accuracy: the held-out draw scored (choose hyper-parameters on validation)")
     parser.add_argument("--noise", type=float, default=0.6, help="accuracy: std of the samples around their centre")
     parser.add_argument("--before", default=None, help="bf16: a git revision whose fused loss is measured too")
+    parser.add_argument("--world-engines", nargs="+", default=["ddp", "deepspeed"], choices=("ddp", "deepspeed"),
+                        help="world: the DP engines compared (DeepSpeed at ZeRO-1)")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)

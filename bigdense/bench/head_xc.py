@@ -2,8 +2,9 @@
 
     --suite sampled    1,000,000 classes x d=128, 4,096 tokens, fp32, tp=2: sample_rate 1.0 vs 0.3 vs 0.1,
                        time of the fused loss fwd+bwd and peak RSS per rank (the same weights and inputs)
-    --suite world      tp=1 x dp=2 under the DDP engine, AdamW: shard="world" vs shard="tp": bytes DDP
-                       all-reduces per step for the head (a comm hook counts them), step time, peak RSS
+    --suite world      tp=1 x dp=2 under the DDP engine and DeepSpeed ZeRO-1, AdamW: shard="world" vs
+                       shard="tp": bytes the DP engine's collectives move per step (DDP's buckets, counted by
+                       a comm hook; DeepSpeed's, counted at its comm backend), step time, peak RSS
     --suite accuracy   20,000 classes with Gaussian centres in 64 dims, fresh samples each step: held-out
                        top-1 after the same steps, data and seed for softmax at r=1.0 and r=0.1, ArcFace
                        and CosFace (at AdaCos's scale for the class count), every head under one AdamW
@@ -19,6 +20,7 @@ For reading, not asserting.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import statistics
@@ -75,7 +77,7 @@ def suite_sampled(args, spawn):
     return rows
 
 
-# ---- world vs tp sharding under DDP ---------------------------------------------------------
+# ---- world vs tp sharding, under DDP and DeepSpeed ---------------------------------------------
 class _Net(nn.Module):
     def __init__(self, args, shard):
         import bigdense as bd
@@ -88,26 +90,33 @@ class _Net(nn.Module):
         return self.head(torch.tanh(self.fc(x)), y)
 
 
-def _world_rank(args, shard):
+def _counting_ddp_hook(engine, ctx, reduced: list) -> None:
+    """DDP's all-reduce, recording the bytes of each bucket it reduces."""
+    def hook(state, bucket):
+        reduced.append(bucket.buffer().numel() * bucket.buffer().element_size())
+        work = torch.distributed.all_reduce(bucket.buffer().div_(ctx.dp_size), group=ctx.dp_group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    engine.wrapped.register_comm_hook(None, hook)
+
+
+def _world_rank(args, shard, engine_kind):
     import bigdense as bd
     from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
+
+    from .counters import count_deepspeed_bytes
 
     torch.set_num_threads(1)
     ctx = bd.init_parallel(tp=1)
     torch.manual_seed(SEED)
     model = _Net(args, shard)
     per_rank = args.tokens // ctx.dp_size
-    engine = bd.build_engine(model, ctx, engine_cfg=EngineConfig(kind="ddp"), optim_cfg=OptimConfig(warmup_steps=1),
-                             precision_cfg=PrecisionConfig(), micro_batch_size=per_rank, max_steps=100)
-    reduced = []
-
-    def counting_hook(state, bucket):
-        reduced.append(bucket.buffer().numel() * bucket.buffer().element_size())
-        work = torch.distributed.all_reduce(bucket.buffer().div_(ctx.dp_size), group=ctx.dp_group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
-
-    engine.wrapped.register_comm_hook(None, counting_hook)
-    fc_bytes = sum(p.numel() * p.element_size() for p in model.fc.parameters())
+    engine = bd.build_engine(model, ctx, engine_cfg=EngineConfig(kind=engine_kind, zero_stage=1),
+                             optim_cfg=OptimConfig(warmup_steps=1), precision_cfg=PrecisionConfig(),
+                             micro_batch_size=per_rank, max_steps=100)
+    reduced: list = []
+    if engine_kind == "ddp":
+        _counting_ddp_hook(engine, ctx, reduced)
     times = []
     for step in range(args.warmup + args.iters):
         g = torch.Generator().manual_seed(step)
@@ -115,33 +124,41 @@ def _world_rank(args, shard):
         y = torch.randint(0, args.classes, (args.tokens,), generator=g)
         rows = slice(ctx.dp_rank * per_rank, (ctx.dp_rank + 1) * per_rank)
         reduced.clear()
-        start = time.perf_counter()
-        result = engine.train_step([(x[rows], y[rows])])
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-    head_bytes = sum(reduced) - fc_bytes  # DDP reduces every parameter it was not told to ignore
-    return times, _peak_rss_bytes(), head_bytes, sum(reduced), result.loss
+        with count_deepspeed_bytes() if engine_kind == "deepspeed" else contextlib.nullcontext({}) as by_kind:
+            start = time.perf_counter()
+            result = engine.train_step([(x[rows], y[rows])])
+            if step >= args.warmup:
+                times.append(time.perf_counter() - start)
+    # The DP engine's bytes in the last step: DDP's buckets (every parameter it was not told to
+    # ignore), or DeepSpeed's collectives (ZeRO-1: the gradient all-reduce and the all-gather of
+    # the updated partitions).
+    moved = sum(reduced) + sum(by_kind.values())
+    fc_bytes = sum(p.numel() * p.element_size() for p in model.fc.parameters())
+    return times, _peak_rss_bytes(), moved, fc_bytes, result.loss
 
 
 def suite_world(args, spawn):
     head_mb = args.classes * args.features * 4 / 1e6
     print(f"world vs tp sharding: {args.classes:,} classes x d={args.features} ({head_mb:.0f} MB of weight), "
-          f"{args.tokens:,} tokens per step over tp=1 x dp=2 (1 thread each), DDP engine + AdamW, fp32, "
-          f"median of {args.iters} after {args.warmup} warm-up")
-    base, rows = None, []
-    for shard in ("tp", "world"):
-        results = spawn(_world_rank, 2, args, shard)
-        per_iter = [max(ts) for ts in zip(*(r[0] for r in results))]
-        median = statistics.median(per_iter)
-        base = base or median
-        rss = ", ".join(f"{r[1] / 1e9:.2f}" for r in results)
-        print(f"  shard={shard:<6} DP all-reduce for the head {results[0][2] / 1e6:8.2f} MB/step "
-              f"(all parameters {results[0][3] / 1e6:.2f} MB)  step median {median:6.2f} s  "
-              f"[{', '.join(f'{t:.2f}' for t in per_iter)}]  {median / base:4.2f}x shard=tp  "
-              f"peak RSS/rank {rss} GB  loss {results[0][4]:.4f}", flush=True)
-        rows.append(dict(suite="world", shard=shard, head_allreduce_bytes=results[0][2], allreduce_bytes=results[0][3],
-                         median_s=median, times_s=per_iter, ratio_vs_tp=median / base,
-                         peak_rss_bytes=[r[1] for r in results], loss=float(results[0][4])))
+          f"{args.tokens:,} tokens per step over tp=1 x dp=2 (1 thread each), + AdamW, fp32, "
+          f"median of {args.iters} after {args.warmup} warm-up; engines: {', '.join(args.world_engines)}")
+    rows = []
+    for engine_kind in args.world_engines:
+        base = None
+        for shard in ("tp", "world"):
+            results = spawn(_world_rank, 2, args, shard, engine_kind)
+            per_iter = [max(ts) for ts in zip(*(r[0] for r in results))]
+            median = statistics.median(per_iter)
+            base = base or median
+            rss = ", ".join(f"{r[1] / 1e9:.2f}" for r in results)
+            moved, fc_bytes = results[0][2], results[0][3]
+            print(f"  {engine_kind:<9} shard={shard:<6} DP collectives {moved / 1e6:8.2f} MB/step (the replicated "
+                  f"layer's parameters: {fc_bytes / 1e6:.2f} MB)  step median {median:6.2f} s  "
+                  f"[{', '.join(f'{t:.2f}' for t in per_iter)}]  {median / base:4.2f}x shard=tp  "
+                  f"peak RSS/rank {rss} GB  loss {results[0][4]:.4f}", flush=True)
+            rows.append(dict(suite="world", engine=engine_kind, shard=shard, dp_bytes=moved, fc_param_bytes=fc_bytes,
+                             median_s=median, times_s=per_iter, ratio_vs_tp=median / base,
+                             peak_rss_bytes=[r[1] for r in results], loss=float(results[0][4])))
     return rows
 
 
