@@ -16,9 +16,9 @@ Every configuration (tp; sequence parallelism off/on; overlap on/off) runs in fr
 - **peak memory** of one full training step (forward, backward, AdamW) of the model:
   ``torch.cuda.max_memory_allocated`` on GPU, the process's peak resident set on CPU;
 - **step time**, the median over steps of the slowest rank, fp32;
-- **all-reduces** issued by bigdense in a plain ``loss.backward()`` (with SP: the layers' own sums
-  of their replicated parameters' partial gradients, one per parameter) and in one step of the DDP
-  engine (which defers those sums to one all-reduce per step; the rest are its few scalars).
+- **all-reduces** issued by bigdense in a plain forward and ``loss.backward()`` (with SP: the
+  layers' own sums of their replicated parameters' partial gradients, one per parameter) and in one
+  step of the DDP engine (which defers those sums to one all-reduce per step; it adds two scalars).
 
 Ratios are against tp=1 (bytes) and against the same tp without SP (time), measured in the same
 run. ``--json PATH`` writes one JSON object per configuration.
@@ -117,13 +117,13 @@ def _rank(args, tp, sequence_parallel, overlap_comm):
         peak = torch.cuda.max_memory_allocated(ctx.device)
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    with bd.count_collectives() as plain:  # the layers' own gradient sums: one all-reduce per parameter
+    with bd.count_collectives() as plain:  # forward + backward; with SP the layers sum partial gradients one by one
         model(idx[:, :-1], idx[:, 1:]).backward()
     opt.zero_grad(set_to_none=True)
     with bd.count_collectives() as engine_step:  # the DDP engine's step: partial sums deferred to one
         _ddp_engine(model, ctx, args).train_step([(idx[:, :-1], idx[:, 1:])])
     return {"saved_bytes": saved, "peak_bytes": peak, "step_s": statistics.median(times),
-            "all_reduces_backward": plain.calls("all_reduce"), "all_reduces_engine_step": engine_step.calls("all_reduce")}
+            "all_reduces_fwd_bwd": plain.calls("all_reduce"), "all_reduces_engine_step": engine_step.calls("all_reduce")}
 
 
 def _ddp_engine(model, ctx, args):
@@ -176,7 +176,7 @@ def main(argv=None) -> None:
                 "saved_bytes": max(r["saved_bytes"] for r in per_rank),
                 "peak_bytes": max(r["peak_bytes"] for r in per_rank),
                 "step_s": per_rank[0]["step_s"],
-                "all_reduces_backward": per_rank[0]["all_reduces_backward"],
+                "all_reduces_fwd_bwd": per_rank[0]["all_reduces_fwd_bwd"],
                 "all_reduces_engine_step": per_rank[0]["all_reduces_engine_step"],
             })
     _report(args, results)
@@ -200,7 +200,7 @@ def _report(args, results) -> None:
           f"{megatron_bytes(s, b, h, a, 1, False, probabilities) / 2**20:.1f} MiB at t=1")
     print(f"{'tp':>3} {'SP':>3} {'overlap':>7} | {'saved/rank MiB':>14} {'vs tp=1':>8} {'target':>7} "
           f"{'formula MiB':>11} | {'peak/rank MiB':>13} | {'step ms':>8} {'vs no SP':>8} {'on/off':>7} | "
-          f"{'all-reduces: backward':>21} {'engine step':>11}")
+          f"{'all-reduces: fwd+bwd':>20} {'engine step':>11}")
     for r in results:
         same_tp = next(x for x in results if x["tp"] == r["tp"] and x["overlap_comm"] == r["overlap_comm"]
                        and not x["sequence_parallel"]) if r["tp"] > 1 else r
@@ -215,7 +215,7 @@ def _report(args, results) -> None:
             f"{r['tp']:>3} {'on' if r['sequence_parallel'] else 'off':>3} {'on' if r['overlap_comm'] else 'off':>7} | "
             f"{r['saved_bytes'] / 2**20:>14.1f} {ratio:>8.3f} {target:>7} {formula / 2**20:>11.1f} | "
             f"{r['peak_bytes'] / 2**20:>13.0f} | {r['step_s'] * 1e3:>8.0f} {r['step_s'] / same_tp['step_s']:>8.3f} "
-            f"{on_off:>7} | {r['all_reduces_backward']:>21} {r['all_reduces_engine_step']:>11}"
+            f"{on_off:>7} | {r['all_reduces_fwd_bwd']:>20} {r['all_reduces_engine_step']:>11}"
         )
 
 
