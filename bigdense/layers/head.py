@@ -19,11 +19,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..checks import checks_enabled
 from ..parallel import comm
 from ..parallel.regions import copy_to_tp, gather_from_sequence
 from ..validation import check_positive_int, is_positive_int
-from .head_modes import ClassGroups, loss_inputs, resolve_class_groups
+from .head_modes import ClassGroups, check_target, loss_inputs, resolve_class_groups
 from .init import InitSpec, init_bias_
 from .linear import ColumnParallelLinear
 from .margin import MarginSpec, resolve_margin
@@ -242,7 +241,7 @@ class ParallelClassifierHead(ColumnParallelLinear):
                 raise ValueError(f"{self._where()}: sequence_parallel=True expects target (*, S), got {target!r}")
             h = self._gather_sequence(h, target.shape[-1])
         self._check_input(h, self.in_features, "in_features, replicated on every TP rank", self.weight)
-        self._check_target(h, target, ignore_index)
+        check_target(self._where(), h, target, ignore_index, self.num_classes)
         if reduction not in _REDUCTIONS:
             raise ValueError(f"{self._where()}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
         if not 0.0 <= float(label_smoothing) <= 1.0:
@@ -273,32 +272,6 @@ class ParallelClassifierHead(ColumnParallelLinear):
         )
         out = FusedVocabParallelCE.apply(x.h, x.classes.weight, x.classes.bias, x.classes.target, x.target_offset, cfg)
         return out.view(target.shape) if reduction == "none" else out
-
-    def _check_target(self, h: torch.Tensor, target: torch.Tensor, ignore_index: int) -> None:
-        if not isinstance(target, torch.Tensor):
-            raise TypeError(f"{self._where()}: target must be a tensor of class ids, got {type(target).__name__}")
-        if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
-            raise TypeError(
-                f"{self._where()}: target must hold integer class ids, got dtype {target.dtype} "
-                f"(class-probability targets are not supported)"
-            )
-        if tuple(target.shape) != tuple(h.shape[:-1]):
-            raise ValueError(
-                f"{self._where()}: target shape {tuple(target.shape)} must equal the input's leading dims "
-                f"{tuple(h.shape[:-1])} (input {tuple(h.shape)})"
-            )
-        if target.device != h.device:
-            raise ValueError(f"{self._where()}: target is on {target.device}, the input on {h.device}")
-        if not checks_enabled():  # the loss marks bad labels on the device instead (see `loss`)
-            return
-        # target is replicated on TP, so every rank raises the same error with no collective.
-        bad = (target != ignore_index) & ((target < 0) | (target >= self.num_classes))
-        if bool(bad.any()):
-            values = target[bad]
-            raise ValueError(
-                f"{self._where()}: label {int(values[0])} is outside [0, {self.num_classes}) "
-                f"({values.numel()} bad label(s); ignore_index={ignore_index})"
-            )
 
     # ---- prediction ----
     @torch.no_grad()

@@ -1,6 +1,6 @@
 """The classifier head's modes: which ranks its classes are split over (the TP group, or the whole
-TP x DP mesh), and what its fused loss is handed once the shard mode, the class sampling and the
-margin have shaped the inputs."""
+TP x DP mesh), the targets it accepts, and what its fused loss is handed once the shard mode, the
+class sampling and the margin have shaped the inputs."""
 from __future__ import annotations
 
 import warnings
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..checks import checks_enabled
 from ..parallel import comm
 from ..parallel.context import get_default_context, resolve_tp_group
 from ..parallel.random import draw_seed
@@ -97,3 +98,33 @@ def loss_inputs(head, h: torch.Tensor, target: torch.Tensor, ignore_index: int) 
         )
         h, classes = h_unit * head.margin.scale, classes._replace(weight=w_unit)
     return LossInputs(h, classes, offset, rows)
+
+
+def check_target(where: str, h: torch.Tensor, target, ignore_index: int, num_classes: int) -> None:
+    """``target`` holds integer class ids shaped like ``h``'s leading dims, on ``h``'s device; with
+    `bd.set_checks` on, each in ``[0, num_classes)`` or ``ignore_index`` (with checks off the loss
+    marks bad labels on the device instead). Errors name ``where`` (the layer)."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"{where}: target must be a tensor of class ids, got {type(target).__name__}")
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(
+            f"{where}: target must hold integer class ids, got dtype {target.dtype} "
+            f"(class-probability targets are not supported)"
+        )
+    if tuple(target.shape) != tuple(h.shape[:-1]):
+        raise ValueError(
+            f"{where}: target shape {tuple(target.shape)} must equal the input's leading dims "
+            f"{tuple(h.shape[:-1])} (input {tuple(h.shape)})"
+        )
+    if target.device != h.device:
+        raise ValueError(f"{where}: target is on {target.device}, the input on {h.device}")
+    if not checks_enabled():
+        return
+    # target is replicated on TP, so every rank raises the same error with no collective.
+    bad = (target != ignore_index) & ((target < 0) | (target >= num_classes))
+    if bool(bad.any()):
+        values = target[bad]
+        raise ValueError(
+            f"{where}: label {int(values[0])} is outside [0, {num_classes}) "
+            f"({values.numel()} bad label(s); ignore_index={ignore_index})"
+        )
