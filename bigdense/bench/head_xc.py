@@ -60,16 +60,21 @@ def _sampled_rank(args, rate):
     return times, _peak_rss_bytes(), losses[-1]
 
 
+def _timing(results):
+    """Per iteration the slowest rank's time (``results``: one ``(times, peak RSS, ...)`` per rank),
+    their median, and the ranks' peak RSS in GB for printing."""
+    per_iter = [max(ts) for ts in zip(*(r[0] for r in results))]
+    return per_iter, statistics.median(per_iter), ", ".join(f"{r[1] / 1e9:.2f}" for r in results)
+
+
 def suite_sampled(args, spawn):
     print(f"sampled softmax: {args.classes:,} classes x d={args.features}, {args.tokens:,} tokens, fp32, tp={args.tp} "
           f"(1 thread each), mean CE fwd+bwd, median of {args.iters} after {args.warmup} warm-up")
     base, rows = None, []
     for rate in (1.0, 0.3, 0.1):
         results = spawn(_sampled_rank, args.tp, args, rate)
-        per_iter = [max(ts) for ts in zip(*(r[0] for r in results))]
-        median = statistics.median(per_iter)
+        per_iter, median, rss = _timing(results)
         base = base or median
-        rss = ", ".join(f"{r[1] / 1e9:.2f}" for r in results)
         print(f"  sample_rate={rate:<4}  median {median:7.2f} s  [{', '.join(f'{t:.2f}' for t in per_iter)}]  "
               f"peak RSS/rank {rss} GB  {base / median:5.2f}x faster than r=1.0  loss {results[0][2]:.4f}", flush=True)
         rows.append(dict(suite="sampled", sample_rate=rate, median_s=median, times_s=per_iter, speedup_vs_r1=base / median,
@@ -147,10 +152,8 @@ def suite_world(args, spawn):
         base = None
         for shard in ("tp", "world"):
             results = spawn(_world_rank, 2, args, shard, engine_kind)
-            per_iter = [max(ts) for ts in zip(*(r[0] for r in results))]
-            median = statistics.median(per_iter)
+            per_iter, median, rss = _timing(results)
             base = base or median
-            rss = ", ".join(f"{r[1] / 1e9:.2f}" for r in results)
             moved, fc_bytes = results[0][2], results[0][3]
             print(f"  {engine_kind:<9} shard={shard:<6} DP collectives {moved / 1e6:8.2f} MB/step (the replicated "
                   f"layer's parameters: {fc_bytes / 1e6:.2f} MB)  step median {median:6.2f} s  "
@@ -312,10 +315,8 @@ def suite_bf16(args, spawn):
         base, rows = None, []
         for label, source in contenders:
             results = spawn(_bf16_rank, args.tp, args, source)
-            per_iter = [max(ts) for ts in zip(*(r[0] for r in results))]
-            median = statistics.median(per_iter)
+            per_iter, median, rss = _timing(results)
             base = base or median
-            rss = ", ".join(f"{r[1] / 1e9:.2f}" for r in results)
             print(f"  {label:<28} median {median:7.2f} s  [{', '.join(f'{t:.2f}' for t in per_iter)}]  "
                   f"{base / median:5.2f}x faster than the first  peak RSS/rank {rss} GB  loss {results[0][2]:.4f}",
                   flush=True)
