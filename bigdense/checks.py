@@ -19,16 +19,19 @@ import os
 _ENV = "BIGDENSE_CHECKS"
 
 
-def _from_env() -> bool:
-    value = os.environ.get(_ENV, "1").strip().lower()
-    if value in ("1", "true", "yes", "on", ""):
+def env_flag(name: str, default: bool) -> bool:
+    """A 0/1 switch from the environment (also true/false, yes/no, on/off; unset or empty: ``default``)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value == "":
+        return default
+    if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"bigdense: {_ENV} must be 0 or 1, got {value!r}")
+    raise ValueError(f"bigdense: {name} must be 0 or 1, got {value!r}")
 
 
-_enabled: bool = _from_env()
+_enabled: bool = env_flag(_ENV, True)
 
 
 def checks_enabled() -> bool:

@@ -1,6 +1,8 @@
-"""What the tests share: comparison helpers, paths, shard-spec collection, and the small models
-several test files train (`TinyNet`; `TinyLM` with its data and reference states for the checkpoint
-tests and `scripts/crash_train.py`). Test files import from here, never from each other."""
+"""What the tests share: comparison helpers, paths, shard-spec collection, the independent plain-PyTorch
+references (a classifier head on full logits with InsightFace's margins, a GPT on full weights), and
+the small models several test files train (`TinyNet`; `TinyLM` with its data and reference states for
+the checkpoint tests and `scripts/crash_train.py`). Test files import from here, never from each other."""
+import math
 import sys
 from pathlib import Path
 
@@ -33,6 +35,113 @@ def shard_specs(module) -> dict:
             for name, spec in sub.bd_shard_specs().items():
                 specs[f"{prefix}.{name}" if prefix else name] = spec
     return specs
+
+
+# ---- independent references, written with plain torch ops on full tensors ----
+def insightface_logits(h, w, target, s, m1, m2, m3):
+    """InsightFace's CombinedMarginLoss / ArcFace, on full logits: cos, the target's margin (with
+    ArcFace's ``theta > pi - m`` fallback ``cos - sin(pi - m) * m``), times s."""
+    cos = F.normalize(h) @ F.normalize(w).t()
+    rows = torch.arange(h.shape[0])
+    valid = target != -100
+    t = cos[rows[valid], target[valid]]
+    if m1 == 1.0 and m3 == 0.0:  # ArcFace, as losses.ArcFace computes it
+        sin = torch.sqrt((1.0 - t * t).clamp_min(1e-12))
+        cos_m = t * math.cos(m2) - sin * math.sin(m2)
+        final = torch.where(t > math.cos(math.pi - m2), cos_m, t - math.sin(math.pi - m2) * m2)
+    elif m1 == 1.0 and m2 == 0.0:  # CosFace
+        final = t - m3
+    else:  # the combined form (InsightFace's MXNet one), with ArcFace's fallback past m1 * theta + m2 = pi
+        combined = torch.cos(m1 * torch.acos(t) + m2) - m3
+        final = torch.where(m1 * torch.acos(t) + m2 < math.pi, combined, t - m3 - math.sin(math.pi - m2) * m2)
+    cos = cos.index_put((rows[valid], target[valid]), final)
+    return cos * s
+
+
+def head_reference(w, h, target, *, margin=None, classes=None, eps=0.0, bias=None, reduction="mean", weights=None,
+                   scale=64.0):
+    """Loss and grads (h, w, b) of F.cross_entropy on full logits, optionally restricted to ``classes``
+    (the softmax over those classes only, targets renumbered). ``margin``: (m1, m2, m3), InsightFace's
+    logits at ``scale``. ``reduction="none"`` backpropagates ``weights`` (one per token) into the losses.
+    A mean over no counted token is 0 with zero gradients (bigdense's rule; F.cross_entropy gives nan)."""
+    w, h = w.clone().requires_grad_(), h.clone().requires_grad_()
+    b = None if bias is None else bias.clone().requires_grad_()
+    if margin is None:
+        z = F.linear(h, w, b)
+    else:
+        z = insightface_logits(h, w, target, scale, *margin)
+    t = target
+    if classes is not None:  # the softmax over the given classes only, targets renumbered
+        z = z[:, classes]
+        remap = torch.full((w.shape[0],), -100, dtype=torch.long)
+        remap[classes] = torch.arange(len(classes))
+        t = torch.where(target >= 0, remap[target.clamp(min=0)], -100)
+    if not bool((t != -100).any()):  # nothing counted (with sampling, maybe no class scored at all)
+        loss = z.sum(-1) * 0.0 if reduction == "none" else z.sum() * 0.0
+    else:
+        loss = F.cross_entropy(z, t, label_smoothing=eps, reduction=reduction)
+    (loss if reduction != "none" else (loss * weights).sum()).backward()
+    return loss.detach(), h.grad, w.grad, None if b is None else b.grad
+
+
+
+def full_params(model, tp_group) -> dict:
+    """``{name: full tensor}`` of ``model``'s parameters (each once; tied ones under their first name),
+    gathered from the TP shards (a world-sharded head's from every rank) with plain collectives, as
+    fresh leaves that require grad."""
+    specs = shard_specs(model)
+    out = {}
+    for name, p in model.named_parameters():
+        full = p.detach()
+        if name in specs:
+            group = torch.distributed.group.WORLD if specs[name].group == "world" else tp_group
+            full = comm.all_gather_dim(full.contiguous(), specs[name].dim, group, specs[name].sizes)
+        out[name] = full.clone().requires_grad_()
+    return out
+
+
+def plain_gpt_loss(p: dict, cfg, idx, targets, *, dropout: float = 0.0, eps: float = 1e-5):
+    """The reference GPT's mean loss written with plain torch ops on full weights ``p`` (`full_params`):
+    `plain_gpt_hidden`, then F.cross_entropy over full logits (-100 ignored). A batch with no counted
+    token has loss 0 (bigdense's rule)."""
+    x = plain_gpt_hidden(p, cfg, idx, dropout=dropout, eps=eps)
+    logits = x @ p["head.weight" if "head.weight" in p else "tok_emb.weight"].T
+    if not bool((targets != -100).any()):  # nothing counted: 0 (F.cross_entropy would give nan)
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
+
+
+def plain_gpt_hidden(p: dict, cfg, idx, *, dropout: float = 0.0, eps: float = 1e-5):
+    """The GPT trunk's final normalised hidden states (B, S, d) in plain torch ops on full weights:
+    explicit causal softmax attention (the fused projection laid out [q, k, v] head by head, as `GPT`
+    documents) and the MLP's formula. Shares no code with the model's forward but the dropout masks:
+    ``bd.tp_dropout`` on the whole, unsharded activation is what the masks are defined as, drawn in
+    the model's order (embeddings; per block, attention output then MLP output)."""
+    (b, s), d, n_heads = idx.shape, cfg.d_model, cfg.n_heads
+    hd = d // n_heads
+
+    def ln(x, name):
+        return F.layer_norm(x, (d,), p[f"{name}.weight"], p.get(f"{name}.bias"), eps)
+
+    def linear(x, name):
+        return F.linear(x, p[f"{name}.weight"], p.get(f"{name}.bias"))
+
+    def drop(x):
+        return bd.tp_dropout(x, dropout) if dropout else x
+
+    x = drop(F.embedding(idx, p["tok_emb.weight"]) + p["pos_emb.weight"][:s])
+    future = torch.ones(s, s, dtype=torch.bool).triu(1)
+    for i in range(cfg.n_layers):
+        blk = f"blocks.{i}"
+        q, k, v = linear(ln(x, f"{blk}.ln1"), f"{blk}.attn.qkv").view(b, s, n_heads, 3, hd).unbind(3)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+        probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+        x = x + drop(linear(torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d), f"{blk}.attn.out"))
+        h = ln(x, f"{blk}.ln2")
+        up = linear(h, f"{blk}.mlp.up")
+        hidden = F.silu(linear(h, f"{blk}.mlp.gate")) * up if cfg.activation == "swiglu" else F.gelu(up)
+        x = x + drop(linear(hidden, f"{blk}.mlp.down"))
+    return ln(x, "ln_f")
 
 
 # ---- TinyNet: a stack of transformer-shaped blocks built only from foundation layers: ``attn``

@@ -1,6 +1,6 @@
 """Extreme classification with ParallelClassifierHead: margin softmax against InsightFace's formulas,
 sampled softmax against the full softmax over the same classes, world sharding against TP-only and
-unsharded, layout-independent sampling, bad input. Every reference is written here, on full logits."""
+unsharded, layout-independent sampling, bad input. Every reference is written on full logits (helpers.py)."""
 import math
 import warnings
 
@@ -12,7 +12,7 @@ import bigdense as bd
 from bigdense.layers.sampling import keep_hash, sampled_class_mask
 from bigdense.parallel.random import draw_seed
 from bigdense.testing import run_ranks
-from helpers import assert_close
+from helpers import assert_close, head_reference
 
 D, C, N = 8, 37, 12  # 37 classes: uneven over 2, 3 and 4 ranks
 # fp32, softmax-scaled cosines (scale up to 64): logits reach |64|, and the sharded loss sums in a
@@ -25,27 +25,7 @@ FP32 = dict(rtol=1e-5, atol=1e-5)
 MARGIN = dict(rtol=1e-4, atol=1e-4)
 
 
-# ---- independent references ----
-def insightface_logits(h, w, target, s, m1, m2, m3):
-    """InsightFace's CombinedMarginLoss / ArcFace, on full logits: cos, the target's margin (with
-    ArcFace's ``theta > pi - m`` fallback ``cos - sin(pi - m) * m``), times s."""
-    cos = F.normalize(h) @ F.normalize(w).t()
-    rows = torch.arange(h.shape[0])
-    valid = target != -100
-    t = cos[rows[valid], target[valid]]
-    if m1 == 1.0 and m3 == 0.0:  # ArcFace, as losses.ArcFace computes it
-        sin = torch.sqrt((1.0 - t * t).clamp_min(1e-12))
-        cos_m = t * math.cos(m2) - sin * math.sin(m2)
-        final = torch.where(t > math.cos(math.pi - m2), cos_m, t - math.sin(math.pi - m2) * m2)
-    elif m1 == 1.0 and m2 == 0.0:  # CosFace
-        final = t - m3
-    else:  # the combined form (InsightFace's MXNet one), with ArcFace's fallback past m1 * theta + m2 = pi
-        combined = torch.cos(m1 * torch.acos(t) + m2) - m3
-        final = torch.where(m1 * torch.acos(t) + m2 < math.pi, combined, t - m3 - math.sin(math.pi - m2) * m2)
-    cos = cos.index_put((rows[valid], target[valid]), final)
-    return cos * s
-
-
+# ---- inputs and the sampling hash, written here ----
 def murmur_keep(seed, c):
     """keep_hash in plain Python integers (murmur3's fmix32, twice)."""
     def fmix(x):
@@ -67,25 +47,6 @@ def batch(seed, n=N, c=C, ignore=True):
     return w, h, target
 
 
-def reference(w, h, target, *, margin=None, classes=None, eps=0.0, bias=None):
-    """Loss and grads (h, w, b) of F.cross_entropy on full logits, optionally restricted to ``classes``."""
-    w, h = w.clone().requires_grad_(), h.clone().requires_grad_()
-    b = None if bias is None else bias.clone().requires_grad_()
-    if margin is None:
-        z = F.linear(h, w, b)
-    else:
-        z = insightface_logits(h, w, target, 64.0, *margin)
-    t = target
-    if classes is not None:  # the softmax over the given classes only, targets renumbered
-        z = z[:, classes]
-        remap = torch.full((w.shape[0],), -100, dtype=torch.long)
-        remap[classes] = torch.arange(len(classes))
-        t = torch.where(target >= 0, remap[target.clamp(min=0)], -100)
-    loss = F.cross_entropy(z, t, label_smoothing=eps)
-    loss.backward()
-    return loss.detach(), h.grad, w.grad, None if b is None else b.grad
-
-
 # ---- margin ----
 @pytest.mark.parametrize("margin,tp", [("arcface", 1), ("cosface", 2), ((1.0, 0.3, 0.2), 1), ((1.2, 0.2, 0.0), 2)])
 def test_margin_matches_insightface(margin, tp):
@@ -105,7 +66,7 @@ def _margin_case(margin):
         hh = h.clone().requires_grad_()
         loss = head.loss(hh, target)
         loss.backward()
-        ref = reference(w, h, target, margin=m)
+        ref = head_reference(w, h, target, margin=m)
         what = f"margin={margin} {strategy}"
         assert_close(loss, ref[0], f"{what} loss", **MARGIN)
         assert_close(hh.grad, ref[1], f"{what} grad h", **MARGIN)
@@ -153,9 +114,9 @@ def _sampled_case(rate, eps, shard, tp):
         # The reference draws the seed the head draws, from the same generator state.
         torch.manual_seed(1000)
         classes = sampled_class_mask(draw_seed(), target, 0, C, rate).nonzero().squeeze(1)
-        ref = reference(w, h[rows], target[rows], classes=classes, eps=eps, bias=bias)
+        ref = head_reference(w, h[rows], target[rows], classes=classes, eps=eps, bias=bias)
         # Weight grads: DDP would average the DP ranks' gradients of their own losses.
-        ref_w = torch.stack([reference(w, h[d * N:(d + 1) * N], target[d * N:(d + 1) * N], classes=classes,
+        ref_w = torch.stack([head_reference(w, h[d * N:(d + 1) * N], target[d * N:(d + 1) * N], classes=classes,
                                        eps=eps, bias=bias)[2] for d in range(ctx.dp_size)]).mean(0)
         what = f"rate={rate} eps={eps} shard={shard} tp={tp} world={world} {strategy}"
         assert_close(loss, ref[0], f"{what} loss", **FP32)

@@ -1,4 +1,4 @@
-"""The reference models against an independent plain-PyTorch GPT written here (dropout off), and
+"""The reference models against an independent plain-PyTorch GPT (`helpers.plain_gpt_loss`, dropout off), and
 across TP sizes with dropout on; the attention's manual-dropout path against the fused one.
 
 Dropout masks are TP-invariant, so the only differences between layouts are the summation orders
@@ -7,8 +7,6 @@ its tensor's largest entry (an absolute scale: small entries are sums with cance
 relative bound would mean nothing). We allow 1e-6 relative for the loss and 5e-6 of the largest
 entry for gradients; a mismatched mask moves the loss by ~1e-2.
 """
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +16,7 @@ from bigdense.config import RecomputeConfig
 from bigdense.models import GPT, GPTConfig, ParallelClassifier
 from bigdense.testing import RankError, run_ranks
 
-from helpers import assert_close
+from helpers import assert_close, full_params, plain_gpt_loss
 
 VOCAB = 203  # uneven over 2 and 4 ranks
 
@@ -68,37 +66,15 @@ def test_gpt_loss_and_gradients_match_tp1_with_dropout_on(variant):
                              atol=5e-6 * ref_grads[name].abs().max().item())
 
 
-def _plain_gpt_loss(model, idx, targets):
-    """The GPT's loss written with plain torch ops on its gathered full weights: explicit causal
-    softmax attention (heads laid out [q, k, v] per head in the fused projection, as GPT documents),
-    the MLP's formula, and F.cross_entropy over full logits. Shares no code with the model's forward.
-    """
-    cfg, (b, s) = model.cfg, idx.shape
-    d, n_heads = cfg.d_model, cfg.n_heads
-    hd = d // n_heads
-    ln = lambda x, m: F.layer_norm(x, (d,), m.weight, m.bias, m.eps)  # noqa: E731
-    x = F.embedding(idx, model.tok_emb.to_dense().weight) + model.pos_emb.weight[:s]
-    future = torch.ones(s, s, dtype=torch.bool).triu(1)
-    for blk in model.blocks:
-        q, k, v = blk.attn.qkv.to_dense()(ln(x, blk.ln1)).view(b, s, n_heads, 3, hd).unbind(3)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
-        probs = scores.masked_fill(future, float("-inf")).softmax(-1)
-        x = x + blk.attn.out.to_dense()(torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, d))
-        h, mlp = ln(x, blk.ln2), blk.mlp
-        up = mlp.up.to_dense()(h)
-        hidden = F.silu(mlp.gate.to_dense()(h)) * up if cfg.activation == "swiglu" else F.gelu(up)
-        x = x + mlp.down.to_dense()(hidden)
-    logits = ln(x, model.ln_f) @ model.head.to_dense().weight.T
-    return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
-
-
 def _against_plain(tp, variant):
     ctx = bd.init_parallel(tp=tp)
     torch.manual_seed(0)
     model = GPT(_gpt_cfg(**VARIANTS[variant]), tp_group=ctx.tp_group).eval()
     idx = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        return model(idx, idx.roll(-1, dims=1)).item(), _plain_gpt_loss(model, idx, idx.roll(-1, dims=1)).item()
+        plain = plain_gpt_loss(full_params(model, ctx.tp_group), model.cfg, idx, idx.roll(-1, dims=1),
+                               eps=model.ln_f.eps)
+        return model(idx, idx.roll(-1, dims=1)).item(), plain.item()
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

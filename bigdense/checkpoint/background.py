@@ -5,7 +5,7 @@
 commit in a thread whose collectives go over a gloo group of their own (`_background_group`,
 created once, collectively, by the first asynchronous save), so they never interleave with the
 training's collectives. At most one save is in flight; `wait_for_checkpoints` waits for it, and
-`release` (called by `bd.destroy_parallel`) waits and drops the group.
+`release` (registered with `bd.destroy_parallel`'s teardown) waits and drops the group.
 """
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from ..parallel import schedule
+from ..parallel.context import get_default_context, on_teardown
 
 log = logging.getLogger("bigdense")
 
@@ -127,10 +130,9 @@ def _background_group():
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     if _group is None or _group[0] is not dist.group.WORLD:
-        from ..parallel.context import get_default_context
-
         timeout = get_default_context().timeout or datetime.timedelta(minutes=30)
         _group = (dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout))
+        schedule.exclude_from_boundaries(_group[1])  # its collectives run on the writer's thread
     return _group[1]
 
 
@@ -141,3 +143,6 @@ def release() -> None:
     wait_for_checkpoints(raise_failure=False)
     _in_flight, _group = None, None
     _staging.clear()
+
+
+on_teardown(release)

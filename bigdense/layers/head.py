@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..parallel import comm
+from ..parallel import comm, schedule
 from ..parallel.regions import copy_to_tp, gather_from_sequence
 from ..validation import check_positive_int, is_positive_int
 from .head_modes import ClassGroups, check_target, loss_inputs, resolve_class_groups
@@ -270,7 +270,8 @@ class ParallelClassifierHead(ColumnParallelLinear):
             grad_group=self.groups.tp if x.rows is not None else None,
             rows=x.rows,
         )
-        out = FusedVocabParallelCE.apply(x.h, x.classes.weight, x.classes.bias, x.classes.target, x.target_offset, cfg)
+        out = schedule.tag(FusedVocabParallelCE.apply(x.h, x.classes.weight, x.classes.bias, x.classes.target,
+                                                      x.target_offset, cfg))
         return out.view(target.shape) if reduction == "none" else out
 
     # ---- prediction ----

@@ -115,12 +115,15 @@ def target_offset(
     c_local = w_unit.shape[0]
     t_local = target - class_start
     here = (target != ignore_index) & (t_local >= 0) & (t_local < c_local)
+    # Every rank routes h through the TP copy, also one that holds no class (num_classes < tp, or
+    # an empty sample): its backward is an all-reduce over TP, which all of them must join.
+    h_tp = copy_to_tp(h_unit, tp_group)
     if c_local:
         if weight_grad_factor != 1.0:
             w_unit = _ScaleGrad.apply(w_unit, weight_grad_factor)
         rows = w_unit.index_select(0, t_local.clamp(0, c_local - 1))
-        cos = (copy_to_tp(h_unit, tp_group) * rows).sum(1).float() * here
-    else:
-        cos = torch.zeros(target.shape[0], dtype=torch.float32, device=target.device)
+    else:  # no class here: a zero contribution to every token's cosine (and to h's gradient)
+        rows = h_tp.new_zeros(h_tp.shape)
+    cos = (h_tp * rows).sum(1).float() * here
     z = margin.scale * reduce_from_tp(cos, class_group)
     return margin.target_logit(z) - z

@@ -73,6 +73,12 @@ class CEConfig:
     rows: Optional["RowBlocks"] = None  # the tokens are every DP rank's, gathered (classes split over DP too)
 
     @property
+    def smoothing_classes(self) -> int:
+        """The classes label smoothing spreads over: ``num_classes``, or 1 when a sample scores no
+        class at all (every token is ignored then: targets are always scored)."""
+        return max(self.num_classes, 1)
+
+    @property
     def h_group(self):
         return self.group if self.grad_group is None else self.grad_group
 
@@ -167,12 +173,12 @@ def _forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
             z_target_all[rows] = z_target
         loss = lse - (1.0 - cfg.label_smoothing) * z_target
         if smoothing:
-            loss = loss - (cfg.label_smoothing / cfg.num_classes) * z_sum
+            loss = loss - (cfg.label_smoothing / cfg.smoothing_classes) * z_sum
         losses[rows] = torch.where(valid[rows], loss, 0.0)
         if grads_now:
             # exp(z - m_local) * exp(m_local - lse) is the softmax.
             chunk_grads(zt, torch.exp(stats[0] - lse), t_local[rows], in_shard[rows], token_weight[rows],
-                        hc_all[rows], wc, rows, grads, bufs, cfg.label_smoothing, cfg.num_classes)
+                        hc_all[rows], wc, rows, grads, bufs, cfg.label_smoothing, cfg.smoothing_classes)
 
     pending = None
     for index, lo in enumerate(range(0, n_tokens, cfg.chunk_size)):
@@ -219,7 +225,10 @@ def _target_offset_grad(z_target, lse, token_weight, cfg: CEConfig) -> torch.Ten
     """d loss / d target_offset per token: the target's softmax minus its label weight, times the
     token's weight (the same on every rank: it needs only the combined statistics)."""
     eps = cfg.label_smoothing
-    return token_weight * (torch.exp(z_target - lse) - (1.0 - eps) - eps / cfg.num_classes)
+    grad = token_weight * (torch.exp(z_target - lse) - (1.0 - eps) - eps / cfg.smoothing_classes)
+    # A token that does not count has no gradient, also where its softmax is undefined (a sample of
+    # no class: lse = -inf); a bad label's NaN weight (checks off) still poisons the step, as documented.
+    return torch.where(token_weight != 0, grad, 0.0)
 
 
 def _token_weights(valid: torch.Tensor, cfg: CEConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,9 +251,12 @@ def _incoming_per_token(ctx, grad_out) -> torch.Tensor:
     if rows is None:
         return grad_out.float()
     g = grad_out.float().reshape(-1)
-    sizes = [1] * len(rows.sizes) if g.numel() == 1 else list(rows.sizes)
+    # Decided by the reduction, the same on every rank -- never by this rank's size: under
+    # reduction="none" a rank holding one token also sends one gradient per token.
+    scalar = ctx.cfg.reduction != "none"
+    sizes = [1] * len(rows.sizes) if scalar else list(rows.sizes)
     every = comm.all_gather_dim(g.contiguous(), 0, rows.group, sizes)
-    return every[rows.block_of_rows(g.device)] if g.numel() == 1 else every
+    return every[rows.block_of_rows(g.device)] if scalar else every
 
 
 def _backward(ctx, grad_out):
@@ -306,7 +318,7 @@ def _recompute_backward(ctx, grad_out):
             add_at_target_(p, ctx.t_local[rows], offset[rows])
         p.sub_(ctx.lse[rows]).exp_()
         chunk_grads(p, 1.0, ctx.t_local[rows], ctx.in_shard[rows], token_weight[rows], hc_all[rows], wc, rows,
-                    (grad_h, grad_w, grad_b), bufs, cfg.label_smoothing, cfg.num_classes)
+                    (grad_h, grad_w, grad_b), bufs, cfg.label_smoothing, cfg.smoothing_classes)
     if grad_h is not None and n_tokens and cfg.sum_grad_h:
         comm.all_reduce_(grad_h, cfg.h_group)
     if cfg.rows is not None:  # the weight's gradient is the DP average of every rank's loss gradient

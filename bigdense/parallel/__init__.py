@@ -14,6 +14,7 @@ from .regions import (
     copy_to_tp, gather_batch_from_dp, gather_from_sequence, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence,
     scatter_to_sequence, scatter_to_tp,
 )
+from .schedule import ScheduleMismatch, check_schedule
 from .sharding import ShardSpec, shard_range, shard_sizes
 
 __all__ = [
@@ -21,5 +22,5 @@ __all__ = [
     "set_default_context", "copy_to_tp", "reduce_from_tp", "gather_from_tp", "scatter_to_tp", "gather_batch_from_dp",
     "gather_from_sequence", "reduce_scatter_to_sequence", "scatter_to_sequence", "count_collectives", "CollectiveCounts",
     "ShardSpec", "shard_sizes", "shard_range", "tp_dropout", "batch_slice", "deferred_partial_grad_sums",
-    "partial_grad_params", "sum_partial_grads_",
+    "partial_grad_params", "sum_partial_grads_", "check_schedule", "ScheduleMismatch",
 ]

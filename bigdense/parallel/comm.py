@@ -13,7 +13,8 @@ backends means the CPU tests exercise exactly what runs on GPUs.
 Asynchronous forms (``*_start``) issue the collective and return a `Pending` whose ``wait()``
 finishes it (trimming the padding) and returns the result; layers use them to run a GEMM while a
 collective is in flight. Every collective of bigdense goes through `_issue` here, which is what
-`count_collectives` sees.
+`count_collectives` sees and where the collective-schedule check (`bigdense.parallel.schedule`)
+makes the ranks agree on each collective before it is issued.
 
 Inside ``torch.compile`` (`traceable`), the same functions issue PyTorch's functional collectives
 (``torch.distributed._functional_collectives``), which dynamo and AOTAutograd trace into the graph
@@ -28,6 +29,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+
+from . import schedule
 
 ProcessGroup = dist.ProcessGroup
 
@@ -108,13 +111,18 @@ class Pending:
         return self._finish()
 
 
-def _issue(kind: str, group: Optional[ProcessGroup], nbytes: int, launch, traced,
-           finish: Callable[[], torch.Tensor]) -> Pending:
-    """Launch a collective: ``launch()`` (eager, asynchronous, returns the backend's work) or, under
-    torch.compile, ``traced()`` (the functional collective, done when it returns)."""
+def _issue(kind: str, group: Optional[ProcessGroup], buffer: torch.Tensor, launch, traced,
+           finish: Callable[[], torch.Tensor], op=None) -> Pending:
+    """Launch a collective on ``buffer`` (what the backend is handed; its bytes are counted):
+    ``launch()`` (eager, asynchronous, returns the backend's work) or, under torch.compile,
+    ``traced()`` (the functional collective, done when it returns). With the collective-schedule
+    check on, the ranks first agree on it (`bigdense.parallel.schedule`)."""
     if traceable():
         traced()
         return completed(finish())
+    if schedule.enabled():
+        schedule.agree(kind, group, buffer, None if op is None else _FUNCOL_OPS.get(op, str(op)))
+    nbytes = _nbytes(buffer)
     _record("issue", kind, nbytes)
     return Pending(launch(), kind, nbytes, finish, group)
 
@@ -142,9 +150,9 @@ def all_reduce_start(tensor: torch.Tensor, group: Optional[ProcessGroup], op=dis
     """Issue an in-place all-reduce of ``tensor``; ``wait()`` returns ``tensor``."""
     if group_size(group) == 1:
         return completed(tensor)
-    return _issue("all_reduce", group, _nbytes(tensor),
+    return _issue("all_reduce", group, tensor,
                   lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
-                  lambda: tensor.copy_(funcol.all_reduce(tensor, _FUNCOL_OPS[op], group)), lambda: tensor)
+                  lambda: tensor.copy_(funcol.all_reduce(tensor, _FUNCOL_OPS[op], group)), lambda: tensor, op)
 
 
 def all_reduce_(tensor: torch.Tensor, group: Optional[ProcessGroup], op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -158,7 +166,7 @@ def all_gather_sizes(length: int, group: Optional[ProcessGroup], device) -> list
         return [int(length)]
     mine = torch.tensor([length], dtype=torch.int64, device=device)
     out = torch.empty(group_size(group), dtype=torch.int64, device=device)
-    _issue("all_gather", group, _nbytes(out), lambda: _all_gather_single(out, mine, group=group, async_op=True),
+    _issue("all_gather", group, out, lambda: _all_gather_single(out, mine, group=group, async_op=True),
            lambda: out.copy_(funcol.all_gather_tensor(mine, 0, group)), lambda: out).wait()
     return [int(v) for v in out.tolist()]
 
@@ -201,7 +209,7 @@ def all_gather_dim_start(
             full = torch.cat([out[r * longest : r * longest + s] for r, s in enumerate(sizes)], dim=0)
         return full.movedim(0, dim).contiguous()
 
-    return _issue("all_gather", group, _nbytes(out),
+    return _issue("all_gather", group, out,
                   lambda: _all_gather_single(out, front, group=group, async_op=True),
                   lambda: out.copy_(funcol.all_gather_tensor(front, 0, group)), finish)
 
@@ -237,7 +245,7 @@ def reduce_scatter_dim_start(
     front = front.contiguous()
     out = front.new_empty((longest,) + tuple(front.shape[1:]))
     mine = sizes[group_rank(group)]
-    return _issue("reduce_scatter", group, _nbytes(front),
+    return _issue("reduce_scatter", group, front,
                   lambda: _reduce_scatter_single(out, front, group=group, async_op=True),
                   lambda: out.copy_(funcol.reduce_scatter_tensor(front, "sum", 0, group)),
                   lambda: out[:mine].movedim(0, dim).clone(memory_format=torch.contiguous_format))
@@ -284,6 +292,6 @@ def broadcast_(tensor: torch.Tensor, src_group_rank: int, group: Optional[Proces
     if group_size(group) == 1:
         return tensor
     src = dist.get_global_rank(group, src_group_rank)
-    return _issue("broadcast", group, _nbytes(tensor),
+    return _issue("broadcast", group, tensor,
                   lambda: dist.broadcast(tensor, src=src, group=group, async_op=True),
                   lambda: tensor.copy_(funcol.broadcast(tensor, src, group)), lambda: tensor).wait()

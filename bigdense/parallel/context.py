@@ -228,13 +228,23 @@ def _let_gloo_workers_finish(groups, deadline_s: float = 5.0) -> None:
             time.sleep(0.001)
 
 
-def destroy_parallel() -> None:
-    """Wait for an asynchronous checkpoint save in flight, forget the default context and tear down
-    the process group if `init_parallel` created it."""
-    global _owns_process_group
-    from ..checkpoint.background import release
+_teardown: list = []
 
-    release()
+
+def on_teardown(fn) -> None:
+    """Call ``fn()`` at every `destroy_parallel`, before the process group goes away: what must be
+    finished or forgotten with the mesh registers itself (a background checkpoint save in flight,
+    the collective-schedule check's state), so this module needs to know none of them."""
+    if fn not in _teardown:
+        _teardown.append(fn)
+
+
+def destroy_parallel() -> None:
+    """Run the teardown hooks (`on_teardown`: e.g. wait for an asynchronous checkpoint save in
+    flight), forget the default context and tear down the process group if `init_parallel` created it."""
+    global _owns_process_group
+    for fn in list(_teardown):
+        fn()
     ctx = _default
     set_default_context(None)
     if _owns_process_group and dist.is_initialized():

@@ -295,12 +295,14 @@ def tp_dropout(
         return x
     if x.dim() == 0:
         return tp_dropout(x.reshape(1), p, training).reshape(())
-    key = draw_dropout_key()  # drawn even for an empty shard, so every rank's generator advances alike
+    # An empty shard (a sequence share of 0 rows when S < tp) takes the same path as the others:
+    # it draws the key, so every rank's generator advances alike, and multiplies by its (empty)
+    # mask, so its graph saves the same tensors; activation checkpointing then recomputes at the
+    # same point of the backward on every rank, and the recomputed collectives stay in step.
+    key = draw_dropout_key()
     shape = list(x.shape)
-    if x.numel() == 0:
-        return x
     if shard_dim is None:
-        rows, col_offset = math.prod(shape[:-1]), 0
+        rows, cols, col_offset = math.prod(shape[:-1]), shape[-1], 0
     else:
         shard_dim %= x.dim()
         if global_size is None:
@@ -318,11 +320,11 @@ def tp_dropout(
         # Global tensor viewed as (outer, global_size * inner): a shard is then the same
         # contiguous column range in every row.
         inner = math.prod(shape[shard_dim + 1 :])
-        rows, col_offset = math.prod(shape[:shard_dim]), offset * inner
+        rows, cols, col_offset = math.prod(shape[:shard_dim]), math.prod(shape[shard_dim:]), offset * inner
     row_offset = 0
-    if _batch_slice is not None:
-        row_offset = _batch_slice[0] * (rows // shape[0])
-    keep = keep_mask(key, (row_offset, rows), (col_offset, x.numel() // rows), p, x.device)
+    if _batch_slice is not None:  # rows per batch element: every dim between the batch and the columns
+        row_offset = _batch_slice[0] * (math.prod(shape[1:-1]) if shard_dim is None else math.prod(shape[1:shard_dim]))
+    keep = keep_mask(key, (row_offset, rows), (col_offset, cols), p, x.device)
     return x * keep.view_as(x) * (1.0 / (1.0 - p))
 
 

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import comm
+from . import comm, schedule
 from .sharding import shard_sizes
 
 SEQ_DIM = -2  # activations are (*, seq, hidden); sequence parallelism splits seq
@@ -109,26 +109,30 @@ def _single(group) -> bool:
 
 def copy_to_tp(x: torch.Tensor, group: Optional[comm.ProcessGroup]) -> torch.Tensor:
     """Enter a TP region with a replicated input: the backward sums input grads over TP."""
-    return x if _single(group) else _CopyToTP.apply(x, group)
+    return x if _single(group) else schedule.tag(_CopyToTP.apply(x, group))
 
 
 def reduce_from_tp(x: torch.Tensor, group: Optional[comm.ProcessGroup]) -> torch.Tensor:
     """Leave a TP region by summing the per-rank partial results."""
-    return x if _single(group) else _ReduceFromTP.apply(x, group)
+    return x if _single(group) else schedule.tag(_ReduceFromTP.apply(x, group))
 
 
 def gather_from_tp(
     x: torch.Tensor, group: Optional[comm.ProcessGroup], sizes: Optional[Sequence[int]] = None
 ) -> torch.Tensor:
     """Concatenate the last-dim shards of every TP rank; ``sizes`` are the shard widths in rank order."""
-    return x if _single(group) else _GatherFromTP.apply(x, group, None if sizes is None else tuple(sizes))
+    if _single(group):
+        return x
+    return schedule.tag(_GatherFromTP.apply(x, group, None if sizes is None else tuple(sizes)))
 
 
 def scatter_to_tp(
     x: torch.Tensor, group: Optional[comm.ProcessGroup], sizes: Optional[Sequence[int]] = None
 ) -> torch.Tensor:
     """Keep this rank's slice of the last dim (balanced split unless ``sizes`` is given)."""
-    return x if _single(group) else _ScatterToTP.apply(x, group, None if sizes is None else tuple(sizes))
+    if _single(group):
+        return x
+    return schedule.tag(_ScatterToTP.apply(x, group, None if sizes is None else tuple(sizes)))
 
 
 class _GatherFromSequence(torch.autograd.Function):
@@ -183,7 +187,7 @@ def gather_from_sequence(
 ) -> torch.Tensor:
     """``(*, S_local, d)`` -> ``(*, S, d)``: every rank's share of the sequence, in rank order.
     ``sizes``: every rank's ``S_local`` (exchanged when omitted)."""
-    return x if _single(group) else _GatherFromSequence.apply(x, group, _sizes(sizes))
+    return x if _single(group) else schedule.tag(_GatherFromSequence.apply(x, group, _sizes(sizes)))
 
 
 def reduce_scatter_to_sequence(
@@ -191,14 +195,14 @@ def reduce_scatter_to_sequence(
 ) -> torch.Tensor:
     """``(*, S, d)`` partial sums -> ``(*, S_local, d)``: this rank's share of the summed sequence
     (balanced split unless ``sizes`` is given)."""
-    return x if _single(group) else _ReduceScatterToSequence.apply(x, group, _sizes(sizes))
+    return x if _single(group) else schedule.tag(_ReduceScatterToSequence.apply(x, group, _sizes(sizes)))
 
 
 def scatter_to_sequence(
     x: torch.Tensor, group: Optional[comm.ProcessGroup], sizes: Optional[Sequence[int]] = None
 ) -> torch.Tensor:
     """``(*, S, d)`` replicated -> ``(*, S_local, d)``: this rank's share of the sequence."""
-    return x if _single(group) else _ScatterToSequence.apply(x, group, _sizes(sizes))
+    return x if _single(group) else schedule.tag(_ScatterToSequence.apply(x, group, _sizes(sizes)))
 
 
 @dataclass(frozen=True)
@@ -295,7 +299,7 @@ def column_parallel_linear(
     params = [t for pair in projections for t in pair]
     if _single(cfg.group) and cfg.seq_sizes is not None:
         cfg = ColumnComm(cfg.group, None, cfg.overlap)
-    return _ColumnParallelLinear.apply(x, cfg, *params)
+    return schedule.tag(_ColumnParallelLinear.apply(x, cfg, *params))
 
 
 def gather_batch_from_dp(
@@ -307,4 +311,4 @@ def gather_batch_from_dp(
         return x
     if sizes is None:
         sizes = comm.all_gather_sizes(x.shape[0], group, x.device)
-    return _GatherBatchFromDP.apply(x, group, tuple(sizes))
+    return schedule.tag(_GatherBatchFromDP.apply(x, group, tuple(sizes)))
