@@ -127,22 +127,23 @@ def held_out_loss(model, cfg, ctx, n_batches: int) -> float:
 
 
 def load_reference_gpt(path, ctx):
-    """(model, training config, step) of a `launch/train.py` checkpoint, sharded over ``ctx``."""
+    """(model, training config, step) of a `launch/train.py` checkpoint, sharded over ``ctx``:
+    built and loaded through the jobs' `parallelize_model`, for evaluation (no compile, no
+    activation checkpointing, no engine)."""
     from omegaconf import OmegaConf
 
-    from . import load_checkpoint
     from .checkpoint.format import read_manifest, resolve_checkpoint
-    from .models import GPT, GPTConfig
+    from .jobs import build_gpt, parallelize_model
 
     manifest = read_manifest(resolve_checkpoint(path))
     if not manifest.get("config"):
         raise ValueError(f"bigdense.compress: {path} records no training config (save it with config=cfg)")
     cfg = OmegaConf.create(manifest["config"])
     vocab = manifest["tensors"]["model/tok_emb.weight"]["global_shape"][0]
-    with torch.device(ctx.device):
-        model = GPT(GPTConfig.from_config(cfg.model, vocab), tp_group=ctx.tp_group)
-    info = load_checkpoint(path, model, load_rng=False)
-    return model, cfg, info.step
+    for_evaluation = OmegaConf.merge(cfg, {"trainer": {"compile": False}, "recompute": {"mode": "none"}})
+    model = parallelize_model(build_gpt(for_evaluation, vocab, ctx), ctx, for_evaluation, init_from=str(path),
+                              engine=False).model
+    return model, cfg, manifest.get("step")
 
 
 def parse(argv):
@@ -165,7 +166,7 @@ def run(args) -> dict:
 
     from . import init_parallel, save_checkpoint
     from .checkpoint.format import resolve_checkpoint
-    from .train.run_setup import launcher_world
+    from .jobs.setup import launcher_world
 
     source = resolve_checkpoint(args.checkpoint)
     tag = f"e{args.energy:g}" if args.energy is not None else f"r{args.rank}"

@@ -1,4 +1,4 @@
-"""Checkpoints and plain-PyTorch interop, as in the README's "Checkpoints", runnable as written.
+"""Checkpoints and plain-PyTorch interop, as in docs/checkpoints.md, runnable as written.
 
     .venv/bin/python examples/checkpoints.py                                     # one process
     .venv/bin/torchrun --standalone --nproc_per_node=2 examples/checkpoints.py   # tp=2

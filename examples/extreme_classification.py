@@ -1,4 +1,4 @@
-"""A Partial FC head, as in the README's "Extreme classification", runnable as written.
+"""A Partial FC head, as in docs/heads.md, runnable as written.
 
     .venv/bin/python examples/extreme_classification.py                                   # one process
     .venv/bin/torchrun --standalone --nproc_per_node=2 examples/extreme_classification.py  # tp=2

@@ -1,4 +1,4 @@
-"""The layers of bigdense, as in the README's "The layers", runnable as written.
+"""The layers of bigdense, as in the README and docs/layers.md, runnable as written.
 
     .venv/bin/python examples/layers.py                                        # one process, unsharded
     .venv/bin/torchrun --standalone --nproc_per_node=2 examples/layers.py      # tp=2 on 2 CPU processes

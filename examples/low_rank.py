@@ -1,4 +1,4 @@
-"""Low-rank compression of a layer, as in the README's "Low-rank compression", runnable as written.
+"""Low-rank compression of a layer, as in docs/compression.md, runnable as written.
 
     .venv/bin/python examples/low_rank.py                                       # one process
     .venv/bin/torchrun --standalone --nproc_per_node=2 examples/low_rank.py     # the layer and its SVD sharded, tp=2

@@ -1,4 +1,4 @@
-"""Memory planning, as in the README's "Planning memory", runnable as written (one process, no
+"""Memory planning, as in docs/memory-planner.md, runnable as written (one process, no
 process group: the model is built on the meta device, so nothing is allocated).
 
     .venv/bin/python examples/plan.py

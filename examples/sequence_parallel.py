@@ -1,5 +1,4 @@
-"""Sequence parallelism, as in the README's "Sequence parallelism and overlapped communication",
-runnable as written.
+"""Sequence parallelism, as in docs/sequence-parallelism.md, runnable as written.
 
     .venv/bin/python examples/sequence_parallel.py                                       # one process
     .venv/bin/torchrun --standalone --nproc_per_node=2 examples/sequence_parallel.py     # tp=2, sequence split in 2

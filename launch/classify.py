@@ -7,14 +7,11 @@
 
 Every training file of the corpus (`bigdense.data.FileWindows`) is a class; the model is the
 reference transformer's blocks, mean-pooled, and a `ParallelClassifierHead` with the ``head`` group's
-options. The same config groups as `launch/train.py` (conf/, documented in bigdense/config.py) plus
+options. The same config groups as `launch/train.py` (conf/, documented in bigdense/config/schema.py) plus
 ``head``. The run directory gets metrics.jsonl (held-out loss, top-1 and top-5 accuracy),
 loss_curve.png, checkpoints/ and one log per rank.
 """
 import logging
-import os
-import sys
-import time
 from pathlib import Path
 
 import hydra
@@ -23,13 +20,15 @@ from hydra.core.hydra_config import HydraConfig
 from tqdm import tqdm
 
 import bigdense as bd
-from bigdense.config import ConfigError, register_configs
+from bigdense.config import register_configs
 from bigdense.data import FileWindows, prepare_data
-from bigdense.models import GPTConfig, TextClassifier
+from bigdense.jobs import build_text_classifier, parallelize_model, start_run
+from bigdense.jobs.loop import StepLoop
+from bigdense.jobs.run import launch, run_job
 from bigdense.parallel import comm
-from bigdense.train import EngineSettings, apply_recompute, build_engine
-from bigdense.train.run_setup import launcher_world, start_run
-from bigdense.train.metrics import MetricsLog, StepWindow, peak_memory_gb, plot_loss_curve
+from bigdense.train.checkpointing import RunCheckpoints
+from bigdense.train.faults import train_step_or_diagnose
+from bigdense.train.metrics import MetricsLog, peak_memory_gb, plot_loss_curve
 from bigdense.train.precision import autocast
 
 log = logging.getLogger("bigdense")
@@ -56,14 +55,7 @@ def evaluate(engine, task, ctx, precision: str, n_batches: int) -> dict:
 
 @hydra.main(config_path="../conf", config_name="classify", version_base="1.3")
 def main(cfg) -> None:
-    try:
-        train(cfg)
-    except ConfigError as err:  # raised before any training step, on every rank alike
-        rank = launcher_world()[0]
-        if rank != 0:
-            time.sleep(10)  # rank 0 prints; torchrun stops the others meanwhile
-        print(f"bigdense: bad config{f' (rank {rank})' if rank else ''}: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_job(train, cfg)
 
 
 def train(cfg) -> None:
@@ -77,29 +69,23 @@ def train(cfg) -> None:
                                    micro_batch_size=cfg.data.micro_batch_size, seed=tr.seed)
     log.info("data: %s; task: %s", data.describe(), task.describe())
 
-    # 3. Parallelism in a fixed order: TP (the model is built sharded, the head over TP or every
-    #    rank), activation checkpointing, then the engine (DP, precision, optimizer, clipping).
-    head = cfg.head
-    margin = head.margin if head.margin is None or isinstance(head.margin, str) else tuple(head.margin)
-    with torch.device(ctx.device):
-        model = TextClassifier(GPTConfig.from_config(cfg.model, data.tokenizer.vocab_size), task.num_classes,
-                               tp_group=ctx.tp_group, dp_group=ctx.dp_group, shard=head.shard,
-                               sample_rate=head.sample_rate, margin=margin, scale=head.scale)
-    apply_recompute(model.blocks, cfg.recompute)
-    engine = build_engine(model, ctx, EngineSettings.from_run_config(cfg))
+    # 3. The model, sharded as it is built (the head over TP or every rank), then parallelism in
+    #    the fixed order of `bigdense.jobs.parallelize`: starting weights, compile, activation
+    #    checkpointing, the engine.
+    resuming = tr.resume and (run.checkpoint_dir / "latest").exists()
+    model = build_text_classifier(cfg, data.tokenizer.vocab_size, task.num_classes, ctx)
+    engine = parallelize_model(model, ctx, cfg, init_from=None if resuming else tr.init_from).engine
     log.info("model: %s classes, head %s; mesh tp=%d x dp=%d on %s; engine=%s precision=%s",
              task.num_classes, model.head.extra_repr(), ctx.tp_size, ctx.dp_size, ctx.device,
              cfg.engine.kind, cfg.precision.dtype)
 
     # 4. Resume from this run directory's last complete checkpoint, if any.
-    start_step = 0
-    if tr.resume and (run.checkpoint_dir / "latest").exists():
-        start_step = bd.load_checkpoint(run.checkpoint_dir / "latest", **engine.checkpoint_state()).step
-        log.info("resumed at step %d", start_step)
-
-    def save(step: int) -> None:
-        bd.save_checkpoint(run.checkpoint_dir / f"step_{step:07d}", **engine.checkpoint_state(), step=step,
-                           config=cfg)
+    ckpts = RunCheckpoints(run.checkpoint_dir, engine, tr, cfg)
+    start_step, data_offset = 0, 0
+    resumed = ckpts.load_latest() if tr.resume else None
+    if resumed is not None:
+        start_step, data_offset = resumed
+        log.info("resumed from %s at step %d of %d", run.checkpoint_dir / "latest", start_step, tr.max_steps)
 
     def held_out(step: int, bar) -> None:
         result = evaluate(engine, task, ctx, cfg.precision.dtype, tr.eval_batches)
@@ -108,43 +94,39 @@ def train(cfg) -> None:
             bar.write(f"step {step:5d} | held-out loss {result['eval_loss']:.4f} | top-1 {result['top1']:.1%} | "
                       f"top-5 {result['top5']:.1%}")
 
-    # 5. The loop: a step's batch is a pure function of (seed, step).
-    metrics = MetricsLog(run.run_dir, ctx.is_main)
+    # 5. The loop, as in launch/train.py (`bigdense.jobs.loop`: data positions, sync points,
+    #    rollback past bad steps).
+    metrics = MetricsLog(run.run_dir, ctx.is_main, tensorboard=tr.tensorboard)
     bar = tqdm(total=tr.max_steps, initial=start_step, disable=not (ctx.is_main and tr.progress_bar),
                dynamic_ncols=True, desc="classify")
-    explicit_checks = os.environ.get("BIGDENSE_CHECKS") is not None  # the user's word wins
-    window = StepWindow()
-    for step in range(start_step + 1, tr.max_steps + 1):
-        micro_batches = [task.train_batch(step, m, ctx.dp_rank, ctx.dp_size) for m in range(cfg.data.grad_accum)]
-        if not explicit_checks:
-            bd.set_checks(step <= start_step + tr.checked_steps)  # label range checks sync; a few steps suffice
-        window.add(engine.train_step(micro_batches), step, step)
-        bar.update(1)
-        if step % tr.log_interval == 0 or step == tr.max_steps:
-            step_time = (time.perf_counter() - window.start) / window.steps
-            summary = window.read()  # the interval's one host read
+    loop = StepLoop(tr, ckpts, start_step, data_offset, bar)
+    for step in loop:
+        micro_batches = [task.train_batch(step.pos, m, ctx.dp_rank, ctx.dp_size) for m in range(cfg.data.grad_accum)]
+        if loop.record(step, train_step_or_diagnose(engine, micro_batches, ctx, step.number)):
+            continue  # rolled back past bad steps
+        if step.log:
+            steps, step_time, summary = loop.interval()
             bar.set_postfix(loss=f"{summary['last_loss']:.3f}")
-            record = {"kind": "train", "step": step, "loss": summary["loss"], "grad_norm": summary["grad_norm"],
-                      "lr": summary["lr"], "step_time_s": step_time,
+            if summary["skipped_steps"]:
+                log.warning("%d of the last %d steps skipped (non-finite loss or gradients)", summary["skipped_steps"],
+                            steps)
+            record = {"kind": "train", "step": step.number, **summary, "step_time_s": step_time,
                       "samples_per_s": cfg.data.micro_batch_size * cfg.data.grad_accum * ctx.dp_size / step_time,
-                      "peak_mem_gb": peak_memory_gb(ctx.device), "skipped": summary["skipped"],
-                      "skipped_steps": summary["skipped_steps"]}
+                      "peak_mem_gb": peak_memory_gb(ctx.device)}
             metrics.write(record)
             if ctx.is_main:
-                bar.write(f"step {step:5d} | loss {record['loss']:.4f} | grad norm {record['grad_norm']:.3f} | "
+                bar.write(f"step {step.number:5d} | loss {record['loss']:.4f} | grad norm {record['grad_norm']:.3f} | "
                           f"lr {record['lr']:.2e} | {record['samples_per_s']:,.0f} windows/s | "
                           f"{step_time * 1e3:.0f} ms/step | peak mem {record['peak_mem_gb']:.2f} GB")
-        if tr.eval_interval and step % tr.eval_interval == 0 and step != tr.max_steps:
-            held_out(step, bar)
-        if tr.save_interval and step % tr.save_interval == 0 and step != tr.max_steps:
-            save(step)
-        if step % tr.log_interval == 0:  # evaluation and saving stay out of the next interval's step time
-            window = StepWindow()
+        if step.eval:
+            held_out(step.number, bar)
+        if step.save:
+            loop.save(step)
+        loop.end_of(step)
     bar.close()
 
     # 6. The final checkpoint, held-out accuracy, the loss curve.
-    if start_step < tr.max_steps:
-        save(tr.max_steps)
+    loop.finish()
     held_out(tr.max_steps, tqdm)
     metrics.close()
     if ctx.is_main and tr.plot:
@@ -154,5 +136,4 @@ def train(cfg) -> None:
 
 
 if __name__ == "__main__":
-    sys.argv = [a for a in sys.argv if not a.startswith("--local_rank")]  # the deepspeed launcher's
-    main()
+    launch(main)

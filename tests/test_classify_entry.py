@@ -1,6 +1,8 @@
 """`launch/classify.py` end to end: the file-classification task on a small corpus, TP-sharded in one
 process and world-sharded with sampling and a margin under torchrun (tp=1 x dp=2), held-out top-1 /
-top-5 in metrics.jsonl, the plot and the checkpoint; a bad head option stops it naming the key."""
+top-5 in metrics.jsonl, the plot and the checkpoint; the run machinery it shares with launch/train.py
+(asynchronous saves, keep_last, resume, rollback after non-finite steps); a bad head option stops it
+naming the key."""
 import json
 import os
 import subprocess
@@ -52,3 +54,27 @@ def test_classify_trains_and_reports_top_k(tmp_path, small, launcher):
 def test_bad_head_option_names_the_key(tmp_path, small):
     code, out = run([sys.executable, CLASSIFY, *_small(small), "head.sample_rate=0", f"hydra.run.dir={tmp_path}"])
     assert code == 2 and "bad config: head.sample_rate=0" in out and "must be in (0, 1]" in out, out
+
+
+def test_classify_saves_in_the_background_resumes_and_extends(tmp_path, small):
+    # The same run machinery as launch/train.py: asynchronous saves (the default), keep_last, resume.
+    run_dir = tmp_path / "run"
+    args = [*_small(small), f"trainer.run_dir={run_dir}", "trainer.save_interval=2", "trainer.keep_last=1"]
+    code, out = run([sys.executable, CLASSIFY, *args])
+    assert code == 0, out
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert kept == ["step_0000004"], kept  # keep_last=1 removed step 2 once step 4 was complete
+    code, out = run([sys.executable, CLASSIFY, *args, "trainer.max_steps=6"])
+    assert code == 0 and "resumed from" in out and "at step 4 of 6" in out, out
+    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if r["kind"] == "eval"] == [2, 4, 6]  # run 2 picks up after step 4
+
+
+def test_classify_rolls_back_after_non_finite_steps_then_stops(tmp_path, small):
+    # An absurd learning rate makes every step after the first non-finite: the job rolls back to its
+    # last checkpoint (trainer.max_bad_steps=1), meets them again, and stops naming the step (exit 1).
+    args = [*_small(small), f"hydra.run.dir={tmp_path}", "optim.lr=1e30", "optim.warmup_steps=0",
+            "trainer.max_bad_steps=1", "trainer.save_interval=1", "trainer.log_interval=1", "trainer.max_steps=6"]
+    code, out = run([sys.executable, CLASSIFY, *args])
+    assert code == 1, out
+    assert "rolling back to the checkpoint of step" in out and "again after rolling back to step" in out, out

@@ -19,12 +19,12 @@ from helpers import ROOT, TRAIN
 
 
 def _save_initial(overrides, path):
-    from bigdense.train.run_setup import build_gpt
+    from bigdense.jobs import build_gpt
 
     cfg = compose(overrides, DEFAULT_CONF)
     ctx = bd.init_parallel(tp=2)
     torch.manual_seed(0)
-    model = build_gpt(cfg.model, cfg.data.vocab_size, ctx)
+    model = build_gpt(cfg, cfg.data.vocab_size, ctx)
     bd.save_checkpoint(path, model, step=0, config=cfg)
 
 

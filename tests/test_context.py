@@ -75,7 +75,7 @@ def test_tp_that_does_not_divide_the_world_fails_on_every_rank_without_hanging()
     # Every rank raised the same error itself; none was left hanging in a collective.
     first = int(str(info.value).split()[1])
     for rank in set(range(4)) - {first}:
-        assert f"rank {rank}: bigdense.validation.ConfigError: parallel.tp=3 does not divide" in str(info.value)
+        assert f"rank {rank}: bigdense.errors.ConfigError: parallel.tp=3 does not divide" in str(info.value)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import bigdense as bd
-from bigdense.bench.counters import count_deepspeed_bytes
+from bigdense.testing.counters import count_deepspeed_bytes
 from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
 from bigdense.testing import run_ranks
 
@@ -256,11 +256,11 @@ def _rank_dense_load(stage):
 
 def _deepspeed_master(engine, param):
     from deepspeed.utils import safe_get_full_fp32_param
-    from bigdense.train.engines import ds_compat
+    from bigdense.checkpoint import ds_state
 
     master = safe_get_full_fp32_param(param)
     if master is None:  # stage 0 bf16: DeepSpeed's unfused optimizer, which that API does not reach (ds_compat 7)
-        lps, hps = ds_compat.unfused_masters(engine.optimizer)
+        lps, hps = ds_state.unfused_masters(engine.optimizer)
         master = next(hp for lp_group, hp_group in zip(lps, hps) for lp, hp in zip(lp_group, hp_group) if lp is param)
     return master
 

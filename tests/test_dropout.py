@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import bigdense as bd
-from bigdense.bench.counters import OpCounter
-from bigdense.parallel.random import keep_mask
+from bigdense.testing.counters import OpCounter
+from bigdense.parallel.dropout import keep_mask
 
 
 def _mask(x, p, seed, **kw):
@@ -99,9 +99,9 @@ def _corr(a, b):
 def test_no_correlation_between_neighbouring_elements_rows_or_consecutive_seeds():
     p = 0.5
     torch.manual_seed(1000)
-    first, second = bd.parallel.random.draw_dropout_key(), bd.parallel.random.draw_dropout_key()
+    first, second = bd.parallel.dropout.draw_dropout_key(), bd.parallel.dropout.draw_dropout_key()
     torch.manual_seed(1001)
-    next_seed = bd.parallel.random.draw_dropout_key()
+    next_seed = bd.parallel.dropout.draw_dropout_key()
     keep = keep_mask(first, (3, N_ROWS), (10**9, N_COLS), p, "cpu")
     bound = lambda a: 4 / math.sqrt(a.numel())  # noqa: E731
     for what, a, b in (

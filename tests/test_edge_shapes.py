@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import bigdense as bd
 from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig, RecomputeConfig
-from bigdense.layers.sampling import sampled_class_mask
+from bigdense.layers.head.sampling import sampled_class_mask
 from bigdense.models import GPT, GPTConfig, TextClassifier
 from bigdense.parallel import comm
 from bigdense.parallel.random import draw_seed

@@ -87,7 +87,7 @@ def test_bad_labels_with_checks_off_give_nan_not_a_wrong_number():
 
 
 def _head_syncs(tp):
-    from bigdense.bench.counters import OpCounter
+    from bigdense.testing.counters import OpCounter
 
     if tp > 1:
         bd.init_parallel(tp=tp)

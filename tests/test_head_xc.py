@@ -1,7 +1,6 @@
 """Extreme classification with ParallelClassifierHead: margin softmax against InsightFace's formulas,
 sampled softmax against the full softmax over the same classes, world sharding against TP-only and
 unsharded, layout-independent sampling, bad input. Every reference is written on full logits (helpers.py)."""
-import math
 import warnings
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import bigdense as bd
-from bigdense.layers.sampling import keep_hash, sampled_class_mask
+from bigdense.layers.head.sampling import keep_hash, sampled_class_mask
 from bigdense.parallel.random import draw_seed
 from bigdense.testing import run_ranks
 from helpers import assert_close, head_reference
@@ -58,7 +57,7 @@ def _margin_case(margin):
     w, h, target = batch(1)
     # Tokens pointing away from their class (theta near pi) exercise ArcFace's theta + m > pi branch.
     h[0], h[5] = -w[target[0]] + 0.03, -w[target[5]] + 0.1  # (not exactly -w: acos is not differentiable at -1)
-    m = bd.layers.margin.MARGINS[margin] if isinstance(margin, str) else margin
+    m = bd.layers.head.margin.MARGINS[margin] if isinstance(margin, str) else margin
     for strategy in ("forward", "recompute"):
         head = bd.ParallelClassifierHead(D, C, bias=False, margin=margin, chunk_size=5, grad_strategy=strategy)
         with torch.no_grad():
@@ -353,7 +352,7 @@ def test_fused_loss_allocates_nothing_per_chunk(dtype):
 
 
 def test_chunk_sizes_per_device():
-    from bigdense.layers.vocab_ce_chunks import auto_chunk_size
+    from bigdense.layers.head.ce_chunks import auto_chunk_size
 
     assert auto_chunk_size(125_000, "cpu") == 64 * 2**20 // (4 * 125_000)  # 134: cache-sized on CPU
     for classes in (1000, 125_000, 10_000_000):

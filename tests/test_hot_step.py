@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import bigdense as bd
-from bigdense.bench.counters import OpCounter
+from bigdense.testing.counters import OpCounter
 from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
 from bigdense.models.gpt import GPT, GPTConfig
 from bigdense.testing import run_ranks

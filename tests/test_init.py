@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import bigdense as bd
-from bigdense.bench.counters import OpCounter
+from bigdense.testing.counters import OpCounter
 from bigdense.layers.init import INITIALIZERS, Initializer, init_bias_
 from bigdense.parallel import random as prng
 from bigdense.testing import run_ranks

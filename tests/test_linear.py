@@ -108,8 +108,13 @@ def test_layers_work_without_any_process_group():
     col, row = bd.ColumnParallelLinear(8, 12, gather_output=True), bd.RowParallelLinear(12, 4, input_is_parallel=False)
     assert col.tp_size == 1 and col.tp_group is None and col.weight.shape == (12, 8)
     x = torch.randn(3, 8)
-    assert torch.equal(col(x), col.to_dense()(x))
-    assert torch.equal(row(col(x)), row.to_dense()(col.to_dense()(x)))
+    fc1, fc2 = torch.nn.Linear(8, 12), torch.nn.Linear(12, 4)  # nn.Linear with the layers' (whole) weights
+    with torch.no_grad():
+        for fc, layer in ((fc1, col), (fc2, row)):
+            fc.weight.copy_(layer.weight)
+            fc.bias.copy_(layer.bias)
+    assert torch.equal(col(x), fc1(x))
+    assert torch.equal(row(col(x)), fc2(fc1(x)))
 
 
 def test_from_dense_keeps_device_dtype_and_repr():

@@ -1,13 +1,13 @@
-"""ParallelMLP against the plain PyTorch MLP at tp = 1..4; one all-reduce each way; TP-invariant dropout."""
+"""ParallelMLP against a plain PyTorch MLP written here, at tp = 1..4; one all-reduce each way (counted by
+`bd.count_collectives`); TP-invariant dropout."""
 import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
+import torch.nn.functional as F
 
 import bigdense as bd
 from bigdense.layers.mlp import DenseMLP
-from bigdense.parallel import comm
 from bigdense.testing import run_ranks
 from helpers import assert_close
 
@@ -17,42 +17,28 @@ D_MODEL = 6
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
 
-def _count_collectives():
-    """Count all-reduces and every other collective bigdense can issue (inside a rank process only)."""
-    counts = {"all_reduce": 0, "other": 0}
-    original = dist.all_reduce
+class PlainMLP(torch.nn.Module):
+    """The reference, written here: ``down(act(up(x)))`` or ``down(silu(gate(x)) * up(x))`` with
+    torch's own functions (nothing shared with bigdense's activation table)."""
 
-    def counted(*args, **kwargs):
-        counts["all_reduce"] += 1
-        return original(*args, **kwargs)
+    def __init__(self, d, hidden, activation, bias):
+        super().__init__()
+        self.activation = activation
+        self.gate = torch.nn.Linear(d, hidden, bias=bias) if activation == "swiglu" else None
+        self.up, self.down = torch.nn.Linear(d, hidden, bias=bias), torch.nn.Linear(hidden, d, bias=bias)
 
-    dist.all_reduce = counted
-    for name in ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor", "broadcast"):
-        if hasattr(dist, name):
-            original_other = getattr(dist, name)
-
-            def other(*args, _original=original_other, **kwargs):
-                counts["other"] += 1
-                return _original(*args, **kwargs)
-
-            setattr(dist, name, other)
-    original_gather = comm._all_gather_single  # bound at import: patch where it is looked up
-
-    def gather(*args, **kwargs):
-        counts["other"] += 1
-        return original_gather(*args, **kwargs)
-
-    comm._all_gather_single = gather
-    return counts
+    def forward(self, x):
+        if self.activation == "swiglu":
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x)) if self.activation == "gelu" else torch.relu(self.up(x)))
 
 
 def _mlp_matches_reference(tp):
     bd.init_parallel(tp=tp)
-    counts = _count_collectives()
     cases = list(itertools.product(("gelu", "relu", "swiglu"), (True, False), (12, 10)))  # hidden 10: uneven at tp 3, 4
     for i, (activation, bias, hidden) in enumerate(cases):
         torch.manual_seed(i)
-        ref = DenseMLP(D_MODEL, hidden, activation, bias=bias)
+        ref = PlainMLP(D_MODEL, hidden, activation, bias)
         linears = (ref.gate, ref.up, ref.down) if activation == "swiglu" else (ref.up, ref.down)
         # Both ways in: the linears themselves, or the module.
         mlp = bd.ParallelMLP.from_dense(*linears, activation=activation) if i % 2 else bd.ParallelMLP.from_dense(ref)
@@ -64,13 +50,12 @@ def _mlp_matches_reference(tp):
         upstream = torch.randn(*x.shape)
         what = f"tp={tp} {activation} bias={bias} hidden={hidden}"
 
-        counts.update(all_reduce=0, other=0)
-        y = mlp(x)
-        forward = dict(counts)
-        counts.update(all_reduce=0, other=0)
-        (y * upstream).sum().backward()
-        expected = {"all_reduce": 1 if tp > 1 else 0, "other": 0}
-        assert forward == expected and counts == expected, (what, forward, counts)
+        with bd.count_collectives() as forward:
+            y = mlp(x)
+        with bd.count_collectives() as backward:
+            (y * upstream).sum().backward()
+        expected = {"all_reduce": (1, x.numel() * 4)} if tp > 1 else {}  # one all-reduce of (*, d) each way
+        assert forward.by_kind == expected and backward.by_kind == expected, (what, forward.by_kind, backward.by_kind)
 
         y_ref = ref(x_ref)
         (y_ref * upstream).sum().backward()
@@ -85,7 +70,10 @@ def _mlp_matches_reference(tp):
                 assert_close(getattr(ours, param).grad, expected, f"{what} {name}.{param} grad", **FP32)
 
         dense = mlp.to_dense()
-        assert type(dense) is DenseMLP and all(torch.equal(a, b) for a, b in zip(dense.parameters(), ref.parameters()))
+        assert type(dense) is DenseMLP
+        theirs = ref.state_dict()
+        assert dense.state_dict().keys() == theirs.keys()
+        assert all(torch.equal(v, theirs[k]) for k, v in dense.state_dict().items())
     named = rf"ParallelMLP\(d_model=6, d_hidden=10, activation='swiglu', tp={tp}.*expected input of shape \(\*, 6\)"
     with pytest.raises(ValueError, match=named):
         mlp(torch.randn(2, 5))

@@ -78,7 +78,7 @@ def _convert_and_compare(tp):
     expected_plan = {"emb": "vocab"}
     for i in range(2):
         expected_plan.update({f"encoder.layers.{i}.linear1": "column", f"encoder.layers.{i}.linear2": "row"})
-    assert bd.plan_parallelism(plain) == expected_plan
+    assert bd.tp_plan(plain) == expected_plan
     model = bd.parallelize(copy.deepcopy(plain))
     assert model.bd_parallel_plan == expected_plan
     assert type(model.encoder.layers[0].self_attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear

@@ -2,7 +2,11 @@
 
 Counts are exact (integers). Peaks: the planner's prediction for the reference GPT is held against
 the peak of live tensor bytes measured during a real training step (`LiveTensorBytes`) on CPU
-processes; the issue asks for 15%, which is the tolerance (measured: within 0.2%).
+processes. Live tensor bytes are deterministic (the same every run, whatever the machine's load),
+and the prediction is within 0.31% of them in every configuration measured (gpt_tiny and
+gpt_small, tp 1 and 2, sequence parallelism, fp32 and bf16, recompute none and full, the head-bound
+case: the largest gaps are a few small per-step tensors the model leaves out); `PEAK_TOL` holds
+them to 0.5%. A missing activation or gradient term is several percent.
 """
 import json
 
@@ -19,6 +23,8 @@ from bigdense.plan.config import estimate_config, suggest
 from bigdense.plan.measure import measure_config
 from bigdense.testing import run_ranks
 from omegaconf import OmegaConf
+
+PEAK_TOL = 0.005
 
 
 def vgg16() -> nn.Module:
@@ -130,7 +136,7 @@ def _check_peaks(model, tp, batch):
             predicted = estimate_config(compose(overrides, DEFAULT_CONF), _plan()).peak_bytes
             measured = run_ranks(_measure, tp, overrides, timeout=300) if tp > 1 else [_measure(overrides)]
             for rank, m in enumerate(measured):
-                assert abs(predicted - m) <= 0.15 * m, (overrides, rank, predicted, m)
+                assert abs(predicted - m) <= PEAK_TOL * m, (overrides, rank, predicted, m)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -147,20 +153,19 @@ def test_peak_memory_sequence_parallel(precision, recompute):
     assert est.bytes_per_rank["activations"] < without.bytes_per_rank["activations"]  # SP splits them
     predicted = est.peak_bytes
     for m in run_ranks(_measure, 2, overrides, timeout=300):
-        assert abs(predicted - m) <= 0.15 * m, (overrides, predicted, m)
+        assert abs(predicted - m) <= PEAK_TOL * m, (overrides, predicted, m)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_peak_memory_when_the_loss_head_sets_the_peak(tp):
     # Many tokens, full recompute, the automatic chunk: the head's working set (cast operands, reused
-    # chunk buffers, a block of weight-gradient rows) is the peak. Live tensor bytes on CPU are
-    # deterministic, so the tolerance is tight: 2% covers the few small per-chunk tensors it rounds.
+    # chunk buffers, a block of weight-gradient rows) is the peak.
     overrides = [f"parallel.tp={tp}", "precision=bf16", "recompute=full", "data.micro_batch_size=8",
                  "data.seq_len=256", "model.head_chunk_size=null"]
     predicted = estimate_config(compose(overrides, DEFAULT_CONF), _plan()).peak_bytes
     measured = run_ranks(_measure, tp, overrides, timeout=300) if tp > 1 else [_measure(overrides)]
     for rank, m in enumerate(measured):
-        assert abs(predicted - m) <= 0.02 * m, (overrides, rank, predicted, m)
+        assert abs(predicted - m) <= PEAK_TOL * m, (overrides, rank, predicted, m)
 
 
 @pytest.mark.slow

@@ -1,12 +1,13 @@
-"""The README's commands and examples are the ones that work, as written, after `make train` or
-`make test` created `.venv`.
+"""The README's and the docs' commands and examples are the ones that work, as written, after
+`make train` or `make test` created `.venv`.
 
-Every command of its ``bash`` blocks must resolve: a make target of the Makefile, a program of
-``.venv/bin``, an executable script of the repository, or a cluster's scheduler (``sbatch``) given a
-script of the repository; the scripts and modules it names exist; its Hydra overrides use keys the
-schemas define and options ``conf/`` has, and compose. The cheap commands are run. Each ``python``
-block is an excerpt of a runnable file of ``examples/``, and those files are run alone and under
-torchrun.
+Every command of the ``bash`` blocks of README.md and docs/*.md must resolve: a make target of the
+Makefile, a program of ``.venv/bin``, an executable script of the repository, or a cluster's
+scheduler (``sbatch``) given a script of the repository; the scripts and modules it names exist; its
+Hydra overrides use keys the schemas define and options ``conf/`` has, and compose. The cheap
+commands are run. Each ``python`` block is an excerpt of a runnable file of ``examples/``, and those
+files are run alone and under torchrun. Every relative link leads to a file, and every docs page is
+linked from the README.
 """
 import importlib.util
 import os
@@ -20,7 +21,9 @@ import pytest
 from bigdense.config import check_override_keys, register_configs
 from helpers import BIN, ROOT
 
-README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TEXTS = {path.relative_to(ROOT).as_posix(): path.read_text() for path in PAGES}
+README = TEXTS["README.md"]
 EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 LAUNCH_TIMEOUT = 300
 # Scripts that pass their arguments on to launch/train.py as Hydra overrides.
@@ -28,7 +31,8 @@ TRAINING_SCRIPTS = ("launch/train.py", "launch/torchrun_multinode.sh", "launch/s
 
 
 def blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README, re.S)
+    """The ``lang`` code blocks of the README and every docs page."""
+    return [b for text in TEXTS.values() for b in re.findall(rf"```{lang}\n(.*?)```", text, re.S)]
 
 
 def readme_commands() -> list[list[str]]:
@@ -109,6 +113,20 @@ def test_every_readme_command_resolves():
         check_resolves(words)
 
 
+def test_every_relative_link_leads_to_a_file():
+    for page, text in TEXTS.items():
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if "://" in target:
+                continue
+            assert ((ROOT / page).parent / target).exists(), f"{page}: the link to {target} leads nowhere"
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    linked = set(re.findall(r"\]\((docs/[^)#]+)", README))
+    pages = {p for p in TEXTS if p.startswith("docs/")}
+    assert pages <= linked, f"docs pages the README does not link: {sorted(pages - linked)}"
+
+
 def test_a_bare_command_would_be_caught():
     with pytest.raises(pytest.fail.Exception, match="not found from a fresh shell"):
         check_resolves(["torchrun", "--standalone", "launch/train.py"])
@@ -132,7 +150,7 @@ def test_python_blocks_are_excerpts_of_runnable_examples():
     assert python_blocks
     for block in python_blocks:
         missing = [line for line in code_lines(block) if line not in source]
-        assert not missing, f"README lines that no file of examples/ runs: {missing}"
+        assert not missing, f"docs lines that no file of examples/ runs: {missing}"
 
 
 def run_example(prefix, example, tmp_path):

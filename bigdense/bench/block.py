@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+
+from . import peak_rss_bytes
 
 CONFIGS = (  # (sequence_parallel, overlap_comm)
     (False, True), (False, False), (True, True), (True, False),
@@ -116,7 +117,7 @@ def _rank(args, tp, sequence_parallel, overlap_comm):
     if ctx.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(ctx.device)
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        peak = peak_rss_bytes()
     with bd.count_collectives() as plain:  # forward + backward; with SP the layers sum partial gradients one by one
         model(idx[:, :-1], idx[:, 1:]).backward()
     opt.zero_grad(set_to_none=True)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import resource
 import statistics
 import time
 
@@ -34,20 +33,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import append_json_lines
+from . import SEED, append_json_lines, peak_rss_bytes
 
-SEED = 1234
-
-
-def _peak_rss_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 @torch.no_grad()
@@ -97,7 +84,7 @@ def _unsharded(args):
         losses.append(loss.item() + x.grad.sum().item() * 0 + linear.weight.grad[0, 0].item() * 0)
         linear.zero_grad(set_to_none=True)
 
-    return _time(step, args), _peak_rss_bytes(), losses[-1]
+    return _time(step, args), peak_rss_bytes(), losses[-1]
 
 
 def _bigdense(args, strategy):
@@ -120,7 +107,7 @@ def _bigdense(args, strategy):
         losses.append(loss.item() + x.grad.sum().item() * 0 + head.weight.grad[0, 0].item() * 0)
         head.zero_grad(set_to_none=True)
 
-    return _time(step, args, ctx.tp_group), _peak_rss_bytes(), losses[-1]
+    return _time(step, args, ctx.tp_group), peak_rss_bytes(), losses[-1]
 
 
 def _dtensor(args):
@@ -148,7 +135,7 @@ def _dtensor(args):
         losses.append(loss.full_tensor().item() + x.grad.sum().item() * 0 + grad_w[0, 0].item() * 0)
         linear.zero_grad(set_to_none=True)
 
-    return _time(step, args, dist.group.WORLD), _peak_rss_bytes(), losses[-1]
+    return _time(step, args, dist.group.WORLD), peak_rss_bytes(), losses[-1]
 
 
 def _contender(name, args):

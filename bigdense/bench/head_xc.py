@@ -29,8 +29,7 @@ import time
 import torch
 import torch.nn as nn
 
-from . import append_json_lines
-from .head import SEED, _peak_rss_bytes
+from . import SEED, append_json_lines, peak_rss_bytes
 
 
 # ---- sampled softmax: time and memory -------------------------------------------------------
@@ -57,7 +56,7 @@ def _sampled_rank(args, rate):
         head.zero_grad(set_to_none=True)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    return times, _peak_rss_bytes(), losses[-1]
+    return times, peak_rss_bytes(), losses[-1]
 
 
 def _timing(results):
@@ -109,7 +108,7 @@ def _world_rank(args, shard, engine_kind):
     import bigdense as bd
     from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
 
-    from .counters import count_deepspeed_bytes
+    from ..testing.counters import count_deepspeed_bytes
 
     torch.set_num_threads(1)
     ctx = bd.init_parallel(tp=1)
@@ -139,7 +138,7 @@ def _world_rank(args, shard, engine_kind):
     # the updated partitions).
     moved = sum(reduced) + sum(by_kind.values())
     fc_bytes = sum(p.numel() * p.element_size() for p in model.fc.parameters())
-    return times, _peak_rss_bytes(), moved, fc_bytes, result.loss
+    return times, peak_rss_bytes(), moved, fc_bytes, result.loss
 
 
 def suite_world(args, spawn):
@@ -292,7 +291,7 @@ def _bf16_rank(args, source):
         head.zero_grad(set_to_none=True)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    return times, _peak_rss_bytes(), value
+    return times, peak_rss_bytes(), value
 
 
 def suite_bf16(args, spawn):

@@ -7,7 +7,7 @@ Builds ``ColumnParallelLinear(in, out)`` (one process, tp=1: the whole weight) w
 of each law, in the same run: ``baseline`` draws the weight tile by tile, one torch.Generator per
 512 x 512 tile (`tiled_fill_` with the per-tile fill the named schemes used to have, kept here as
 `_tiled`), ``current`` is the named scheme (counter-based `counter_fill_`). The bias is drawn the
-current way in both. Counts every aten op of the weight's init (`bench.counters.OpCounter`; views
+current way in both. Counts every aten op of the weight's init (`bigdense.testing.counters.OpCounter`; views
 apart) as an accelerator would launch them: the baseline's on CPU (the same tiles on any device),
 the current one's on the meta device (``CHUNK``-sized blocks; CPU draws cache-sized ``CPU_CHUNK``
 blocks instead). Times the CPU build: variants alternate so machine noise hits both alike; median.
@@ -23,7 +23,7 @@ import torch
 
 import bigdense as bd
 from bigdense.bench import append_json_lines
-from bigdense.bench.counters import OpCounter
+from bigdense.testing.counters import OpCounter
 from bigdense.layers.init import INITIALIZERS, Initializer
 
 

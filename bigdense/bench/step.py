@@ -11,7 +11,7 @@ the same run:
 1. **Kernels per step** of ``gpt_small`` (12 x 768, 12 heads, vocab 50,304, batch 8, sequence
    1024, dropout 0.1 on embeddings, attention probabilities and outputs, MLP outputs), TP rank 0
    of tp=2: every aten op of forward, backward, clipping and the AdamW step, counted with a
-   dispatch mode (`bench.counters.OpCounter`; views launch nothing and are left out). Shapes
+   dispatch mode (`bigdense.testing.counters.OpCounter`; views launch nothing and are left out). Shapes
    only: the model lives on the meta device and the TP collectives go to a fake process group,
    so nothing is computed (the baseline's per-tile generators, which meta tensors cannot have,
    are left out: seeding a generator is not an op; host checks are off in both, as meta tensors
@@ -33,7 +33,7 @@ import time
 import torch
 
 from . import append_json_lines
-from .counters import OpCounter
+from ..testing.counters import OpCounter
 
 GPT_SMALL = dict(d_model=768, n_layers=12, n_heads=12, vocab_size=50304, max_seq_len=1024, head_chunk_size=4096)
 
@@ -42,7 +42,8 @@ def tiled_dropout(x, p, training=True, *, shard_dim=None, global_size=None, offs
     """The baseline: bigdense's former `tp_dropout`, which drew each mask tile by tile (fixed tiles
     of ~256K draws of the global tensor, each from its own seeded generator) from a seed read on
     the host. Same masks at every layout, but the number of ops grows with the tensor."""
-    from bigdense.parallel.random import current_batch_slice, draw_seed, mix_seed
+    from bigdense.parallel.dropout import current_batch_slice
+    from bigdense.parallel.random import draw_seed, mix_seed
 
     if not training or p == 0.0:
         return x

@@ -19,7 +19,7 @@ __all__ = [
     "export_dense", "load_dense_state_dict",
 ]
 
-_MOVED = {"parallelize": "bigdense.parallelize", "plan_parallelism": "bigdense.parallelize",
+_MOVED = {"parallelize": "bigdense.parallelize", "plan_parallelism": "bigdense.parallelize", "tp_plan": "bigdense.parallelize",
           "ShardedDropout": "bigdense.layers"}
 
 

@@ -22,7 +22,8 @@ from .format import (
     write_safetensors,
 )
 from ..durable import hidden_sibling
-from .optimizer import resolve_optimizer
+from ..parallel.sharding import is_world_sharded
+from .adapters import resolve_optimizer
 from .pieces import current_context, model_pieces, unwrap
 from .split import SplitOptimizerState
 
@@ -162,8 +163,6 @@ def _plan_dense_load(module, state_dict, source: str, strict: bool, tp_rank: int
 def _check_masters_reachable(module, engine, adapter) -> None:
     """A DeepSpeedEngine alone cannot reach the fp32 masters of world-sharded bf16/fp16 parameters
     (bigdense's `WorldShardedAdamW` holds them, not DeepSpeed): refuse rather than leave them stale."""
-    from ..train.clip import is_world_sharded
-
     if engine is None or isinstance(adapter, SplitOptimizerState):
         return
     stale = [n for n, p in module.named_parameters() if is_world_sharded(p) and p.dtype != torch.float32]

@@ -24,7 +24,8 @@ from .format import (
     COMMON, CheckpointError, SafetensorsReader, check_files, dtype_from_code, load_pickled, rank_file_name,
     read_manifest, resolve_checkpoint,
 )
-from .optimizer import OptimizerAdapter, check_optimizer_groups, resolve_optimizer
+from .adapters import resolve_optimizer
+from .optimizer import OptimizerAdapter, check_optimizer_groups
 from .pieces import ModelState, current_context, model_pieces, unwrap
 from .rng import restore_rng
 from .verify import assign_hashing, node_name, verify_mode

@@ -1,6 +1,6 @@
 """Optimizer state in a checkpoint: one adapter interface for every kind of optimizer.
 
-`save.py` and `load.py` talk to an `OptimizerAdapter` only; `resolve_optimizer` picks the adapter:
+`save.py` and `load.py` talk to an `OptimizerAdapter` only; `adapters.resolve_optimizer` picks the adapter:
 `TorchOptimizerState` for any ``torch.optim.Optimizer`` (also DeepSpeed's stage-0 client
 optimizer), `bigdense.checkpoint.zero.ZeroOptimizerState` for DeepSpeed ZeRO-1/2 and its BF16
 optimizer, `bigdense.checkpoint.zero.UnfusedMastersState` for its stage-0 bf16/fp16 optimizer. Both store the same thing -- per-parameter tensors under ``optim/<param name>/<key>``
@@ -123,41 +123,3 @@ def check_optimizer_groups(optimizer_groups: list[list[str]], saved_groups: list
                 f"optimizer param group {g} differs from the checkpoint's: "
                 f"not in the checkpoint {extra[:5]}, missing from the optimizer {missing[:5]}"
             )
-
-
-def resolve_optimizer(optimizer, engine) -> Optional[OptimizerAdapter]:
-    """The adapter of the optimizer to save/load, or ``None``.
-
-    ``optimizer`` may be a torch optimizer or a DeepSpeed engine's ``optimizer`` (its ZeRO-1/2 or
-    BF16 wrapper); with a DeepSpeedEngine as the model it defaults to the engine's. A bigdense
-    `DSEngine` with world-sharded parameters hands an ``OptimizerPair`` (its ``checkpoint_state``):
-    DeepSpeed's optimizer and the one stepping those parameters, saved as one.
-    """
-    from ..train.engines.world_sharded import OptimizerPair
-    from .split import SplitOptimizerState, WorldShardedState
-    from .zero import UnfusedMastersState, ZeroOptimizerState
-
-    if isinstance(optimizer, OptimizerPair):
-        return SplitOptimizerState(resolve_optimizer(optimizer.deepspeed, engine), WorldShardedState(optimizer.world),
-                                   optimizer.deepspeed_from, optimizer.world_from)
-    if engine is not None:
-        if optimizer is not None and optimizer is not engine.optimizer:
-            raise TypeError("with a DeepSpeedEngine pass optimizer=None or engine.optimizer")
-        optimizer = engine.optimizer
-    if optimizer is None:
-        return None
-    if ZeroOptimizerState.wraps(optimizer):
-        return ZeroOptimizerState(optimizer)
-    if UnfusedMastersState.wraps(optimizer):
-        return UnfusedMastersState(optimizer)
-    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":  # its .state holds only this DP rank's part
-        raise CheckpointError(
-            "torch's ZeroRedundancyOptimizer is not supported by bigdense checkpoints; call its "
-            "consolidate_state_dict() and save a plain optimizer, or use DeepSpeed ZeRO"
-        )
-    if isinstance(optimizer, torch.optim.Optimizer):  # also DeepSpeed's ZeRO stage 0 fp32 client optimizer
-        return TorchOptimizerState(optimizer)
-    raise CheckpointError(
-        f"optimizer {type(optimizer).__name__} is not supported by bigdense checkpoints (supported: torch "
-        f"optimizers, DeepSpeed ZeRO stages 1-2 and its BF16 optimizer, and its stage-0 optimizers)"
-    )

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from ..durable import fsync_dir, hidden_sibling, replace_text_durably, write_bytes_durably
-from ..validation import check_positive_int
+from ..errors import check_positive_int
 from . import background
 from ._agree import agree, broadcast_object
 from .boxes import volume
@@ -44,7 +44,8 @@ from .format import (
     COMMON, FORMAT_NAME, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, dtype_code, rank_file_name, read_manifest,
     shard_file_name, swapped_out_checkpoint, write_safetensors,
 )
-from .optimizer import OptimizerAdapter, resolve_optimizer
+from .adapters import resolve_optimizer
+from .optimizer import OptimizerAdapter
 from .pieces import Piece, current_context, model_pieces, unwrap
 from .retention import remove_beyond
 from .rng import capture_rng

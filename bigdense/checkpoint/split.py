@@ -7,7 +7,8 @@ it loads into the DDP engine (or a plain AdamW) and back, at any layout.
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -91,3 +92,17 @@ class SplitOptimizerState(OptimizerAdapter):
             mine = {name: {k: v for k, v in tensors.get(name, {}).items() if adapter.loads_key(k)}
                     for group in names for name in group}
             adapter.load(model, part, mine)
+
+
+@dataclass
+class OptimizerPair:
+    """What `DSEngine.checkpoint_state` hands ``bd.save_checkpoint``/``load_checkpoint`` as the
+    optimizer when some parameters are world-sharded: DeepSpeed's optimizer and
+    `bigdense.train.engines.world_sharded.WorldShardedAdamW`,
+    saved as the one AdamW of ``param_groups`` (``*_from``: the group each of theirs came from), so
+    the checkpoint loads into the DDP engine and back."""
+
+    deepspeed: Any
+    world: Any  # bigdense.train.engines.world_sharded.WorldShardedAdamW
+    deepspeed_from: list[int]
+    world_from: list[int]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import socket
 
-from ..validation import check_choice
+from ..errors import check_choice
 
 VERIFY_MODES = ("node", "first", "all", "none")
 

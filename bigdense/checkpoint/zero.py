@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..train.engines import ds_compat
+from . import ds_state
 from .boxes import flat_range_boxes
 from .optimizer import FP32_MASTER, OptimizerAdapter, TorchOptimizerState, saved_groups_without_params
 from .pieces import ModelState, Piece, optimizer_state_piece, param_name
@@ -22,20 +22,20 @@ from .pieces import ModelState, Piece, optimizer_state_piece, param_name
 
 class ZeroOptimizerState(OptimizerAdapter):
     """The parts of a DeepSpeed ZeRO-1/2 (or BF16) optimizer a checkpoint needs. Where DeepSpeed
-    keeps them has no public API: `bigdense.train.engines.ds_compat` reads it (workaround 7)."""
+    keeps them has no public API: `ds_state` reads it (DeepSpeed workaround 7)."""
 
     kind = "deepspeed"
 
     def __init__(self, wrapper):
         self.wrapper = wrapper
-        self.lp_groups, self.hp_flat = ds_compat.zero_layout(wrapper)
+        self.lp_groups, self.hp_flat = ds_state.zero_layout(wrapper)
         self.inner = wrapper.optimizer
         self.inner_groups = self.inner.param_groups
 
     @classmethod
     def wraps(cls, optimizer) -> bool:
         """Whether ``optimizer`` is a DeepSpeed ZeRO-1/2 or BF16 optimizer wrapper."""
-        return ds_compat.zero_layout(optimizer) is not None
+        return ds_state.zero_layout(optimizer) is not None
 
     def group_names(self, model: ModelState) -> list[list[str]]:
         return [
@@ -45,7 +45,7 @@ class ZeroOptimizerState(OptimizerAdapter):
     def common(self, model: ModelState) -> dict:
         groups = [{**g, "params": n}
                   for g, n in zip(saved_groups_without_params(self.inner_groups), self.group_names(model))]
-        return {"param_groups": groups, "loss_scaler": ds_compat.loss_scaler_state(self.wrapper)}
+        return {"param_groups": groups, "loss_scaler": ds_state.loss_scaler_state(self.wrapper)}
     def pieces(self, model: ModelState) -> list[Piece]:
         """This DP rank's fragments of every parameter's state (no collective), plus the scalars
         (step counters), which every DP rank holds alike."""
@@ -65,7 +65,7 @@ class ZeroOptimizerState(OptimizerAdapter):
 
     @staticmethod
     def _fragment_pieces(model: ModelState, name: str, lp, sources: dict[str, torch.Tensor]) -> list[Piece]:
-        fragment_at = ds_compat.zero_fragment(lp)
+        fragment_at = ds_state.zero_fragment(lp)
         if fragment_at is None:
             return []
         param = model.pieces[name]
@@ -110,7 +110,7 @@ class ZeroOptimizerState(OptimizerAdapter):
                     if key in s:
                         safe_set_full_optimizer_state(lp, s[key].float(), key)
         if common is not None:
-            ds_compat.load_loss_scaler_state(self.wrapper, common.get("loss_scaler"))
+            ds_state.load_loss_scaler_state(self.wrapper, common.get("loss_scaler"))
 
 
 class UnfusedMastersState(TorchOptimizerState):
@@ -118,19 +118,19 @@ class UnfusedMastersState(TorchOptimizerState):
     one fp32 master per parameter, each mirroring a low-precision module parameter. Saved as that
     torch optimizer's state plus each master under ``fp32_master`` -- what ZeRO saves -- so either
     loads into the other, and into plain optimizers. Where DeepSpeed keeps the pairs has no public
-    API: `bigdense.train.engines.ds_compat` reads it (workaround 7)."""
+    API: `ds_state` reads it (DeepSpeed workaround 7)."""
 
     kind = "deepspeed"
 
     def __init__(self, wrapper):
         super().__init__(wrapper.optimizer)
         self.wrapper = wrapper
-        self.pairs = [list(zip(lps, hps)) for lps, hps in zip(*ds_compat.unfused_masters(wrapper))]
+        self.pairs = [list(zip(lps, hps)) for lps, hps in zip(*ds_state.unfused_masters(wrapper))]
         self.lp_of = {id(hp): lp for group in self.pairs for lp, hp in group}
 
     @classmethod
     def wraps(cls, optimizer) -> bool:
-        return ds_compat.unfused_masters(optimizer) is not None
+        return ds_state.unfused_masters(optimizer) is not None
 
     def model_param(self, p: torch.Tensor) -> torch.Tensor:
         return self.lp_of[id(p)]
@@ -141,7 +141,7 @@ class UnfusedMastersState(TorchOptimizerState):
         return super().pieces(model) + masters
 
     def common(self, model: ModelState) -> dict:
-        return {**super().common(model), "loss_scaler": ds_compat.loss_scaler_state(self.wrapper)}
+        return {**super().common(model), "loss_scaler": ds_state.loss_scaler_state(self.wrapper)}
 
     def loads_key(self, key: str) -> bool:
         return True
@@ -156,4 +156,4 @@ class UnfusedMastersState(TorchOptimizerState):
                     master = tensors.get(model.canonical[id(lp)], {}).get(FP32_MASTER)
                     hp.copy_(master if master is not None else lp.detach())
         if common is not None:
-            ds_compat.load_loss_scaler_state(self.wrapper, common.get("loss_scaler"))
+            ds_state.load_loss_scaler_state(self.wrapper, common.get("loss_scaler"))

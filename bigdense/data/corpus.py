@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from ..validation import ConfigError, check_choice
+from ..errors import ConfigError, check_choice
 
 # Never part of "the standard library": third-party code lives there, and differs between machines.
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..validation import ConfigError
+from ..errors import ConfigError
 
 VAL_WINDOWS_PER_CLASS = 2  # held-out windows per class, evenly spaced over its held-out tokens
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..validation import ConfigError, check_positive
+from ..errors import ConfigError, check_positive
 from . import cache
 from .batches import BatchSampler, _check_length, eval_batches
 from .corpus import list_files, source_root
@@ -133,7 +133,7 @@ def _everywhere(selected: bool, fn: Callable[[], None], rank: int) -> None:
 
 
 # Rough cost of a first build (BPE training plus encoding) per MB of text on one CPU core, only to
-# tell a person how long the silence before the first step will last; the README has measurements.
+# tell a person how long the silence before the first step will last; docs/performance.md has measurements.
 BUILD_S_PER_MB = 1.0
 
 

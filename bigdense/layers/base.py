@@ -13,10 +13,11 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from ..checks import checks_enabled
+from ..host_checks import checks_enabled
 from ..parallel import comm
 from ..parallel.context import resolve_tp_group
-from ..parallel.random import draw_seed, tp_dropout
+from ..parallel.dropout import tp_dropout
+from ..parallel.random import draw_seed
 from ..parallel.regions import SEQ_DIM
 from ..parallel.sharding import ShardSpec, mark_sharded, shard_sizes
 

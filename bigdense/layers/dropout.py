@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..parallel.random import tp_dropout
+from ..parallel.dropout import tp_dropout
 
 
 class ShardedDropout(nn.Module):

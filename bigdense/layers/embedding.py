@@ -7,10 +7,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..checks import checks_enabled
+from ..host_checks import checks_enabled
 from ..parallel.regions import reduce_from_tp, reduce_scatter_to_sequence
 from ..parallel.sharding import shard_range, shard_sizes
-from ..validation import check_positive_int
+from ..errors import check_positive_int
 from .base import TensorParallelModule, check_from_dense
 from .init import InitSpec, resolve_init
 

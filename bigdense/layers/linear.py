@@ -25,7 +25,7 @@ from ..parallel.regions import (
 )
 from ..parallel.partial_grads import on_sequence_shares
 from ..parallel.sharding import shard_range, shard_sizes
-from ..validation import check_positive_int
+from ..errors import check_positive_int
 from .base import TensorParallelModule, check_from_dense
 from .init import InitSpec, init_bias_, resolve_init
 

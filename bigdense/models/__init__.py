@@ -2,7 +2,7 @@
 from .classifier import ParallelClassifier, TextClassifier
 from .gpt import GPT, Block, GPTConfig, ParallelSelfAttention
 
-# model.name values: "gpt" is built by launch/train.py (bigdense.train.run_setup.build_gpt), "encoder"
+# model.name values: "gpt" is built by launch/train.py (bigdense.jobs.build_gpt), "encoder"
 # (the GPT's trunk, pooled, and a big head: TextClassifier) by launch/classify.py
 MODELS = ("gpt", "encoder")
 

@@ -40,10 +40,10 @@ from ..layers import (
 from ..layers.base import sequence_dropout
 from ..parallel.context import resolve_tp_group
 from ..parallel.comm import group_rank, group_size
-from ..parallel.random import tp_dropout
+from ..parallel.dropout import tp_dropout
 from ..parallel.regions import scatter_to_sequence
 from ..parallel.sharding import shard_sizes
-from ..validation import ConfigError
+from ..errors import ConfigError
 
 ATTENTION_DROPOUT_MODES = ("invariant", "fused")
 
@@ -71,12 +71,16 @@ class GPTConfig:
     low_rank: dict = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, model_cfg, vocab_size: int) -> "GPTConfig":
+    def from_config(cls, model_cfg, vocab_size: int, parallel_cfg=None) -> "GPTConfig":
         """From the ``model`` config group (`bigdense.config.ModelConfig`): every key of the same
-        name; ``vocab_size`` is ``model.vocab_size`` or, when that is null, the tokenizer's."""
+        name; ``vocab_size`` is ``model.vocab_size`` or, when that is null, the tokenizer's. From
+        the ``parallel`` group, when given: ``sequence_parallel`` and ``overlap_comm``."""
         keys = {f.name for f in fields(cls)} - {"vocab_size"}
         values = {k: getattr(model_cfg, k) for k in keys if hasattr(model_cfg, k)}
         values["low_rank"] = dict(values.get("low_rank") or {})
+        if parallel_cfg is not None:
+            values.update(sequence_parallel=bool(parallel_cfg.sequence_parallel),
+                          overlap_comm=bool(parallel_cfg.overlap_comm))
         return cls(vocab_size=getattr(model_cfg, "vocab_size", None) or vocab_size, **values)
 
 

@@ -9,7 +9,7 @@ from .context import (
 )
 from .comm import CollectiveCounts, count_collectives
 from .partial_grads import deferred_partial_grad_sums, partial_grad_params, sum_partial_grads_
-from .random import batch_slice, tp_dropout
+from .dropout import batch_slice, tp_dropout
 from .regions import (
     copy_to_tp, gather_batch_from_dp, gather_from_sequence, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence,
     scatter_to_sequence, scatter_to_tp,

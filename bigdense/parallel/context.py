@@ -19,7 +19,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..validation import ConfigError, check_positive_int
+from ..errors import ConfigError, check_positive_int
 
 ProcessGroup = dist.ProcessGroup
 
@@ -147,6 +147,7 @@ def init_parallel(
     tp: int = 1,
     *,
     dp: Optional[int] = None,
+    dims: Optional[ParallelDims] = None,
     backend: Optional[str] = None,
     timeout: Union[float, datetime.timedelta, None] = None,
 ) -> ParallelContext:
@@ -155,7 +156,9 @@ def init_parallel(
     Under torchrun (or once ``torch.distributed`` is initialised) it initialises the process group
     if needed -- ``nccl`` on CUDA, ``gloo`` on CPU, unless ``backend`` says otherwise -- and splits
     the world into TP groups of ``tp`` consecutive ranks and DP groups across them. ``dp`` defaults
-    to ``world_size // tp``; ``tp * dp`` must equal the world size. Alone (no launcher) it returns a
+    to ``world_size // tp``; ``tp * dp`` must equal the world size. ``dims``, a `ParallelDims` a
+    launch resolved already (`bigdense.config.validate` returns it), replaces ``tp`` and ``dp``.
+    Alone (no launcher) it returns a
     1-rank context whatever ``tp`` says -- the same script runs unsharded in one process -- and
     warns when ``tp`` or ``dp`` asked for more. ``timeout`` (seconds or a timedelta) bounds every collective, so a rank that
     fails cannot leave the others waiting forever.
@@ -163,6 +166,8 @@ def init_parallel(
     global _owns_process_group
     if isinstance(timeout, (int, float)):
         timeout = datetime.timedelta(seconds=timeout)
+    if dims is not None:
+        tp, dp = dims.tp, dims.dp
     if not dist.is_initialized() and not _in_launcher():
         if (tp, dp or 1) != (1, 1):
             warnings.warn(
@@ -189,7 +194,8 @@ def init_parallel(
         dist.init_process_group(**kwargs)
         _owns_process_group = True
 
-    dims = ParallelDims.resolve(tp, dp, dist.get_world_size())
+    if dims is None or dims.world_size != dist.get_world_size():
+        dims = ParallelDims.resolve(tp, dp, dist.get_world_size())
 
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -1,25 +1,20 @@
-"""Random numbers that do not depend on the tensor-parallel size.
+"""Random numbers that do not depend on the tensor-parallel size: seeds, the counter hash, and
+initialisation fills.
 
-Both schemes are counter-based: element ``(row, col)`` of a global tensor (viewed as 2-D) is a pure
-function of a hash of ``(key, row, col)`` (`hash_words`), a fixed handful of vectorised integer ops
-on whole tensors. A rank computes exactly its slice from the global indices of its elements, so the
-values it holds are bit-identical to the same slice of the unsharded tensor, at any TP size, and the
-number of kernels does not grow with the tensor.
-
-* Initialisation (`counter_fill_`, once): the key comes from the layer's seed; the hash words are
-  turned into uniform, normal or truncated-normal values (`uniform_symmetric`, `standard_normal`,
-  `truncated_normal`; normals by inverse CDF, with no rejection loop). Rows are generated in chunks of at
-  most ``CHUNK`` elements, so temporaries stay bounded for any shard.
-* Dropout (`tp_dropout`, every step): element ``(row, col)`` is kept when its hash word is below a
-  threshold. The key is a tensor (nothing is baked into a compiled graph, nothing is read back to
-  the host).
+Element ``(row, col)`` of a global tensor (viewed as 2-D) is a pure function of a hash of
+``(key, row, col)`` (`hash_words`), a fixed handful of vectorised integer ops on whole tensors. A
+rank computes exactly its slice from the global indices of its elements, so the values it holds are
+bit-identical to the same slice of the unsharded tensor, at any TP size, and the number of kernels
+does not grow with the tensor. Initialisation (`counter_fill_`) turns the hash words into uniform,
+normal or truncated-normal values (`uniform_symmetric`, `standard_normal`, `truncated_normal`;
+normals by inverse CDF, with no rejection loop), in chunks of at most ``CHUNK`` elements, so
+temporaries stay bounded for any shard. Dropout masks use the same hash (`bigdense.parallel.dropout`).
 
 `tiled_fill_` (a fixed grid of ``TILE`` x ``TILE`` tiles, a torch.Generator seeded per tile) is the
 generator path kept for user-supplied fills, which need torch's generator API.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Callable, Sequence
 
@@ -54,12 +49,6 @@ def draw_seed() -> int:
     """One seed from torch's default CPU generator, so ``torch.manual_seed`` decides it (also inside
     ``with torch.device("meta")``, so a model built there draws the seeds an eager build draws)."""
     return int(torch.randint(0, 2**62, (1,), dtype=torch.int64, device="cpu").item())
-
-
-def draw_dropout_key() -> torch.Tensor:
-    """Two random 32-bit words from torch's default CPU generator, as an int32 tensor of shape (2,):
-    the key of one dropout mask. Never read on the host (no sync; traceable by torch.compile)."""
-    return torch.randint(-(2**31), 2**31, (2,), dtype=torch.int32, device="cpu")
 
 
 FillFn = Callable[[torch.Tensor, torch.Generator], None]
@@ -112,12 +101,12 @@ def hash_words(seed: int, rows: tuple[int, int], cols: tuple[int, int], device) 
     """The int32 hash words (``(n, m)``) of rows ``[r0, r0 + n)`` and columns ``[c0, c0 + m)`` of a
     global tensor for integer key ``seed``; ``rows = (r0, n)``, ``cols = (c0, m)``. The word rule of
     `keep_mask`, keyed by two 32-bit words of ``mix_seed(seed)``: a slice's words are those the whole
-    tensor gives it (`_words` decides index by index)."""
+    tensor gives it (`words_of` decides index by index)."""
     key = mix_seed(seed)
     key0, key1 = (key & 0xFFFFFFFF) - (1 << 31), ((key >> 32) & 0x7FFFFFFF)
-    row_words = _index_words(rows[0], rows[1], _M1, device)
-    col_words = _index_words(cols[0], cols[1], _GOLDEN, device)
-    return _fmix32((row_words ^ key0).unsqueeze(1) ^ (col_words + key1).unsqueeze(0))
+    row_words = index_words(rows[0], rows[1], M1, device)
+    col_words = index_words(cols[0], cols[1], GOLDEN, device)
+    return fmix32((row_words ^ key0).unsqueeze(1) ^ (col_words + key1).unsqueeze(0))
 
 
 def uniform_symmetric(words: torch.Tensor) -> torch.Tensor:
@@ -182,53 +171,31 @@ def counter_fill_(
     return out
 
 
-_batch_slice: tuple[int, int] | None = None
-
-
-@contextlib.contextmanager
-def batch_slice(start: int, total: int):
-    """Declare that dim 0 of every activation is rows ``[start, start + B)`` of a global batch of
-    ``total`` rows (data parallelism, micro-batching). `tp_dropout` then draws the rows of the
-    global batch's mask, so masks do not depend on the data-parallel size either."""
-    global _batch_slice
-    previous, _batch_slice = _batch_slice, (int(start), int(total))
-    try:
-        yield
-    finally:
-        _batch_slice = previous
-
-
-def current_batch_slice() -> tuple[int, int] | None:
-    """``(start, total)`` of the innermost `batch_slice`, or None outside one (activation
-    checkpointing re-enters it for the recompute, which runs later, during backward)."""
-    return _batch_slice
-
-
 # Counter-based hashing in int32 arithmetic, whose multiplications wrap modulo 2^32 on every
 # backend; ">>" is arithmetic on signed integers, so each shift is masked to make it logical.
 # The constants are MurmurHash3's 32-bit finaliser (fmix32), written as signed int32.
-_M1, _M2 = 0x85EBCA6B - (1 << 32), 0xC2B2AE35 - (1 << 32)
-_GOLDEN = 0x9E3779B9 - (1 << 32)
+M1, _M2 = 0x85EBCA6B - (1 << 32), 0xC2B2AE35 - (1 << 32)
+GOLDEN = 0x9E3779B9 - (1 << 32)
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
+def fmix32(h: torch.Tensor) -> torch.Tensor:
     """MurmurHash3's finaliser on int32 tensors: a bijection of 32-bit words with full avalanche."""
     h = h ^ ((h >> 16) & 0xFFFF)
-    h = h * _M1
+    h = h * M1
     h = h ^ ((h >> 13) & 0x7FFFF)
     h = h * _M2
     return h ^ ((h >> 16) & 0xFFFF)
 
 
-def _index_words(start: int, count: int, odd: int, device) -> torch.Tensor:
+def index_words(start: int, count: int, odd: int, device) -> torch.Tensor:
     """The global indices ``start .. start + count - 1`` spread over 32-bit words (int32, (count,)):
-    times an odd constant, a bijection modulo 2^32 (see `_words` past 2^31)."""
+    times an odd constant, a bijection modulo 2^32 (see `words_of` past 2^31)."""
     wide = start + count > 2**31
-    return _words(torch.arange(start, start + count, dtype=torch.int64 if wide else torch.int32, device=device),
-                  odd, wide)
+    return words_of(torch.arange(start, start + count, dtype=torch.int64 if wide else torch.int32, device=device),
+                    odd, wide)
 
 
-def _words(index: torch.Tensor, odd: int, wide: bool) -> torch.Tensor:
+def words_of(index: torch.Tensor, odd: int, wide: bool) -> torch.Tensor:
     """The word of each index: ``index * odd`` modulo 2^32 below 2^31; from 2^31 on, the high word,
     mixed, is folded into it too. Decided index by index, so a slice of a range gives each index the
     word the whole range gives it, whichever rank holds it. ``wide``: some index may reach 2^31
@@ -236,108 +203,4 @@ def _words(index: torch.Tensor, odd: int, wide: bool) -> torch.Tensor:
     low = (index & 0xFFFFFFFF).to(torch.int32) * odd if wide else index.to(torch.int32) * odd
     if not wide:
         return low
-    return torch.where(index < 2**31, low, low ^ _fmix32((index >> 32).to(torch.int32) ^ _GOLDEN))
-
-
-def keep_mask(key: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int], p: float, device) -> torch.Tensor:
-    """The keep-mask (bool, (n, m)) of rows ``[r0, r0 + n)`` and columns ``[c0, c0 + m)`` of the
-    global mask for ``key`` (`draw_dropout_key`) and drop probability ``p``; ``rows = (r0, n)``,
-    ``cols = (c0, m)``. A pure function of (key, global row, global column): any slice of it
-    equals the same slice of the whole mask.
-
-    Word ``(i, j)`` is ``fmix32((i * A ^ key0) ^ (j * B + key1))``: the row and column words are
-    cheap vectors and the one full-size mix does the avalanche. About 20 ops whatever the size,
-    14 of them full-size (one fused kernel under torch.compile)."""
-    return _keep(key, _index_words(rows[0], rows[1], _M1, device), cols, p, device)
-
-
-def _keep(key: torch.Tensor, row_words: torch.Tensor, cols: tuple[int, int], p: float, device) -> torch.Tensor:
-    """`keep_mask` of the rows whose index words are ``row_words``."""
-    key = key.to(device, non_blocking=True)
-    row_word = row_words ^ key[0]
-    col_word = _index_words(cols[0], cols[1], _GOLDEN, device) + key[1]
-    word = _fmix32(row_word.unsqueeze(1) ^ col_word.unsqueeze(0))  # uniform over the 2^32 words
-    # Kept when the word, read as unsigned, is below (1 - p) * 2^32; shifted into signed order.
-    threshold = int(round((1.0 - p) * 2**32)) - 2**31
-    return word < threshold if threshold <= 2**31 - 1 else torch.ones_like(word, dtype=torch.bool)
-
-
-def tp_dropout(
-    x: torch.Tensor,
-    p: float,
-    training: bool = True,
-    *,
-    shard_dim: int | None = None,
-    global_size: int | None = None,
-    offset: int = 0,
-) -> torch.Tensor:
-    """Dropout whose mask does not depend on the TP size.
-
-    Each call draws one key from torch's default CPU generator (a tensor, never read on the
-    host), so (a) activation checkpointing, which restores that generator before recomputing,
-    redraws the same mask, and (b) every TP rank draws the same key as long as all ranks were
-    seeded alike. The mask is a pure function of (key, global element index) (`keep_mask`):
-
-    * replicated region (``shard_dim=None``): ``x`` is the whole tensor; every TP rank applies the
-      same mask.
-    * sharded region: ``x`` is this rank's slice ``[offset : offset + x.shape[shard_dim]]`` of a
-      dimension of length ``global_size``; the rank applies exactly that slice of the mask the
-      unsharded model would draw. A shard of the second-to-last dimension (sequence parallelism's
-      split of ``(*, seq, hidden)``) applies exactly its rows of the replicated region's mask, so
-      a model draws the same masks with and without sequence parallelism.
-
-    Inside `batch_slice`, dim 0 is further read as a slice of the global batch. A fixed number of
-    tensor ops whatever the size of ``x``; under ``torch.compile`` it traces without a break.
-    """
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"tp_dropout: p must be in [0, 1), got {p}")
-    if not training or p == 0.0:
-        return x
-    if x.dim() == 0:
-        return tp_dropout(x.reshape(1), p, training).reshape(())
-    # An empty shard (a sequence share of 0 rows when S < tp) takes the same path as the others:
-    # it draws the key, so every rank's generator advances alike, and multiplies by its (empty)
-    # mask, so its graph saves the same tensors; activation checkpointing then recomputes at the
-    # same point of the backward on every rank, and the recomputed collectives stay in step.
-    key = draw_dropout_key()
-    shape = list(x.shape)
-    if shard_dim is None:
-        rows, cols, col_offset = math.prod(shape[:-1]), shape[-1], 0
-    else:
-        shard_dim %= x.dim()
-        if global_size is None:
-            raise ValueError("tp_dropout: a sharded region needs global_size")
-        if not 0 <= offset <= offset + shape[shard_dim] <= global_size:
-            raise ValueError(
-                f"tp_dropout: the shard [{offset}, {offset + shape[shard_dim]}) of dim {shard_dim} does not fit "
-                f"in global_size={global_size}"
-            )
-        if shard_dim == 0 and _batch_slice is not None:
-            raise ValueError("tp_dropout: dim 0 is the data-parallel batch inside batch_slice; it cannot be TP-sharded")
-        if shard_dim == x.dim() - 2:
-            keep = _sequence_share_keep(key, shape, global_size, offset, p, x.device)
-            return x * keep.view_as(x) * (1.0 / (1.0 - p))
-        # Global tensor viewed as (outer, global_size * inner): a shard is then the same
-        # contiguous column range in every row.
-        inner = math.prod(shape[shard_dim + 1 :])
-        rows, cols, col_offset = math.prod(shape[:shard_dim]), math.prod(shape[shard_dim:]), offset * inner
-    row_offset = 0
-    if _batch_slice is not None:  # rows per batch element: every dim between the batch and the columns
-        row_offset = _batch_slice[0] * (math.prod(shape[1:-1]) if shard_dim is None else math.prod(shape[1:shard_dim]))
-    keep = keep_mask(key, (row_offset, rows), (col_offset, cols), p, x.device)
-    return x * keep.view_as(x) * (1.0 / (1.0 - p))
-
-
-def _sequence_share_keep(key, shape, global_size: int, offset: int, p: float, device) -> torch.Tensor:
-    """The keep-mask of a share ``[offset, offset + S_local)`` of dim -2 of ``(*, S, d)``: exactly
-    those rows of the replicated region's mask (whose rows are the flattened leading dims), built
-    from one tensor of row indices, so the op count does not grow with the leading dims."""
-    slabs = math.prod(shape[:-2])
-    row0 = _batch_slice[0] * (slabs // shape[0]) * global_size if _batch_slice is not None else 0
-    index = (
-        torch.arange(slabs, dtype=torch.int64, device=device).unsqueeze(1) * global_size
-        + torch.arange(offset, offset + shape[-2], dtype=torch.int64, device=device)
-        + row0
-    ).reshape(-1)
-    wide = row0 + slabs * global_size > 2**31  # the word rule the replicated region's rows use
-    return _keep(key, _words(index, _M1, wide), (0, shape[-1]), p, device)
+    return torch.where(index < 2**31, low, low ^ fmix32((index >> 32).to(torch.int32) ^ GOLDEN))

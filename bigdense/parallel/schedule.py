@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..checks import env_flag
+from ..host_checks import env_flag
 from .context import get_default_context, on_teardown
 
 log = logging.getLogger("bigdense")

@@ -92,3 +92,10 @@ def mark_sharded(param: torch.nn.Parameter, spec: ShardSpec) -> None:
 def shard_spec_of(param: torch.Tensor) -> Optional[ShardSpec]:
     """The `ShardSpec` the parameter's layer declared; ``None`` when it is replicated over TP."""
     return getattr(param, "bd_shard_spec", None)
+
+
+def is_world_sharded(param: torch.Tensor) -> bool:
+    """Whether ``param`` is this rank's shard of a tensor split over every rank of the TP x DP mesh
+    (a world-sharded classifier head): data parallelism must leave it alone."""
+    spec = shard_spec_of(param)
+    return spec is not None and spec.group == "world"

@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     if args.json:
         out = {"overrides": train_items, "plan": OmegaConf.to_container(plan), "estimate": est and est.to_json(),
                "suggestions": [s.to_json() for s in suggestions]}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))
     return 0
 

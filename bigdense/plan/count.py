@@ -3,7 +3,7 @@
 Every parameter becomes a `ParamEntry`: its global shape and the dimension TP splits it along
 (``None``: replicated on every TP rank). bigdense layers declare theirs (``_shards``, the same
 declarations checkpoints read); plain ``nn.Linear``/``nn.Embedding`` modules get theirs from the
-plan `bigdense.parallelize` would apply (`plan_parallelism`), so the count is of the model
+plan `bigdense.parallelize` would apply (`tp_plan`), so the count is of the model
 ``parallelize(model, plan)`` would build. Nothing is allocated: meta-device modules work. A weight
 shared by several modules (tied embedding and head) is one entry.
 """
@@ -49,10 +49,10 @@ class ParamEntry:
 
 def _planned_splits(model: nn.Module, plan) -> dict[str, Optional[int]]:
     """``{parameter name: split dim}`` for plain modules a parallelize plan converts."""
-    from ..parallelize import plan_parallelism
+    from ..parallelize import tp_plan
 
     splits = {}
-    for module_name, style in plan_parallelism(model, plan).items():
+    for module_name, style in tp_plan(model, plan).items():
         module = model.get_submodule(module_name)
         prefix = f"{module_name}." if module_name else ""
         for pname, p in module.named_parameters(recurse=False):

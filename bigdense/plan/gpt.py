@@ -2,7 +2,7 @@
 
 Counted from what autograd keeps for the backward, tensor by tensor, following the code of
 `bigdense.models.gpt`, `ParallelMLP`, `tp_dropout` and the fused vocab-parallel cross-entropy
-(`bigdense.layers.vocab_ce`). Units: ``u = b*s*d`` elements (one residual-stream tensor of a
+(`bigdense.layers.head.fused_ce`). Units: ``u = b*s*d`` elements (one residual-stream tensor of a
 micro-batch), ``hid = b*s*d_hidden``, ``P2 = b*(heads/tp)*s*s`` (one rank's attention matrix).
 
 Per block, what stays for the backward:
@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..layers.vocab_ce_chunks import WEIGHT_GRAD_BLOCK_BYTES, auto_chunk_size
+from ..layers.head.ce_chunks import WEIGHT_GRAD_BLOCK_BYTES, auto_chunk_size
 
 from .layout import Layout
 

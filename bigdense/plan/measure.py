@@ -93,15 +93,12 @@ def measure_config(cfg) -> dict:
     this process's rank of ``parallel.tp`` x ``parallel.dp``, with random tokens; measure the second
     (steady state: optimizer state exists). Returns `measure_step_peak`'s dict."""
     from .. import init_parallel
-    from ..train import apply_recompute, build_engine
-    from ..train.run_setup import build_gpt
+    from ..jobs import build_gpt, parallelize_model
 
     ctx = init_parallel(tp=int(cfg.parallel.tp or 1), dp=cfg.parallel.dp)
     torch.manual_seed(0)
-    model = build_gpt(cfg.model, cfg.data.vocab_size, ctx, cfg.parallel)
-    apply_recompute(model.blocks, cfg.recompute)
-    engine = build_engine(model, ctx, engine_cfg=cfg.engine, optim_cfg=cfg.optim, precision_cfg=cfg.precision,
-                          micro_batch_size=cfg.data.micro_batch_size, grad_accum=cfg.data.grad_accum, max_steps=4)
+    model = build_gpt(cfg, cfg.data.vocab_size, ctx)
+    engine = parallelize_model(model, ctx, cfg).engine
     b, s, v = cfg.data.micro_batch_size, cfg.data.seq_len, cfg.data.vocab_size
     batch = [(torch.randint(0, v, (b, s)), torch.randint(0, v, (b, s))) for _ in range(cfg.data.grad_accum)]
     engine.train_step(batch)

@@ -16,9 +16,9 @@ from typing import Optional
 from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ..checkpoint.format import LATEST, read_manifest, resolve_checkpoint
 from ..checkpoint.verify import VERIFY_MODES
-from ..validation import check_choice, check_positive
+from ..errors import check_choice, check_positive
 from .schedule import follow_config
-from .faults import BadSteps, TrainingStopped, diagnose_collective_failure, is_collective_failure
+from .faults import BadSteps, TrainingStopped
 
 log = logging.getLogger("bigdense")
 
@@ -99,14 +99,3 @@ class RunCheckpoints:
         offset = bad.rollback_offset(self.latest_step())
         step, _ = self.load_latest()
         return step, offset
-
-
-def train_step_or_diagnose(engine, micro_batches, ctx, step: int):
-    """``engine.train_step``; a failed collective becomes a `CollectiveFailure` naming it and the
-    ranks that stopped responding (other errors pass unchanged)."""
-    try:
-        return engine.train_step(micro_batches)
-    except RuntimeError as exc:
-        if is_collective_failure(exc):
-            raise diagnose_collective_failure(exc, ctx, step) from exc
-        raise

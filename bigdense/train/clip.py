@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..parallel import comm
 from ..parallel.context import resolve_tp_group
-from ..parallel.sharding import shard_spec_of
+from ..parallel.sharding import is_world_sharded, shard_spec_of
 
 
 def unique_params(model_or_params) -> list[torch.Tensor]:
@@ -32,12 +32,6 @@ def unique_params(model_or_params) -> list[torch.Tensor]:
 def is_tp_sharded(param: torch.Tensor) -> bool:
     """Whether ``param`` is this rank's shard of a larger tensor, as its layer declared it."""
     return shard_spec_of(param) is not None
-
-
-def is_world_sharded(param: torch.Tensor) -> bool:
-    """Whether ``param`` is this rank's shard of a tensor split over every rank of the TP x DP mesh."""
-    spec = shard_spec_of(param)
-    return spec is not None and spec.group == "world"
 
 
 def _check_norm_type(norm_type) -> float:

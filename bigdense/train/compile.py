@@ -14,7 +14,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from ..validation import check_choice
+from ..errors import check_choice
 
 BACKENDS = ("inductor", "aot_eager", "eager")
 

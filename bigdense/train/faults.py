@@ -10,6 +10,7 @@
   function that made it, the group's ranks) and the ranks that did not respond: every surviving
   rank reports to the process group's store, and those that do not report within a few seconds are
   named. The process then exits non-zero, so torchrun's restart resumes the job from `latest`.
+  `train_step_or_diagnose` is the training step with that diagnosis around it.
 - `require_writable`: the checkpoint directory is probed before training starts.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ..parallel import comm
-from ..validation import ConfigError
+from ..errors import ConfigError
 
 log = logging.getLogger("bigdense")
 
@@ -162,3 +163,14 @@ def _ranks_not_responding(ctx, step: int, wait_s: float) -> Optional[list[int]]:
             time.sleep(0.2)
     except Exception:  # noqa: BLE001 - the store lived in a rank that is gone
         return None
+
+
+def train_step_or_diagnose(engine, micro_batches, ctx, step: int):
+    """``engine.train_step``; a failed collective becomes a `CollectiveFailure` naming it and the
+    ranks that stopped responding (other errors pass unchanged)."""
+    try:
+        return engine.train_step(micro_batches)
+    except RuntimeError as exc:
+        if is_collective_failure(exc):
+            raise diagnose_collective_failure(exc, ctx, step) from exc
+        raise

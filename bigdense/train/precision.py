@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import comm
-from ..validation import ConfigError, check_choice, check_positive_int
+from ..errors import ConfigError, check_choice, check_positive_int
 from .clip import unique_params
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from ..parallel.random import batch_slice, current_batch_slice
-from ..validation import ConfigError, check_choice, check_positive_int
+from ..parallel.dropout import batch_slice, current_batch_slice
+from ..errors import ConfigError, check_choice, check_positive_int
 
 MODES = ("none", "full", "mlp", "every_k")
 MLP_ATTR = "mlp"  # how a block exposes its MLP sub-module for mode=mlp

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..validation import ConfigError, check_choice, check_positive
+from ..errors import ConfigError, check_choice, check_positive
 
 
 @dataclass

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 import bigdense as bd  # noqa: E402
-from bigdense.train.checkpointing import RunCheckpoints, train_step_or_diagnose  # noqa: E402
-from bigdense.train.faults import BadSteps, TrainingStopped  # noqa: E402
+from bigdense.train.checkpointing import RunCheckpoints  # noqa: E402
+from bigdense.train.faults import BadSteps, TrainingStopped, train_step_or_diagnose  # noqa: E402
 from helpers import TinyLM, batch, make_optimizer  # noqa: E402
 
 

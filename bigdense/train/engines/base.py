@@ -25,8 +25,8 @@ import torch.nn as nn
 
 from ...parallel import comm
 from ...parallel.context import ParallelContext
-from ...parallel.random import batch_slice
-from ...validation import ConfigError, check_choice, check_positive, check_positive_int
+from ...parallel.dropout import batch_slice
+from ...errors import ConfigError, check_choice, check_positive, check_positive_int
 from ..precision import autocast
 from ..schedule import check_schedule
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ...layers.base import named_shard_specs
 from ...parallel import comm
 from ...parallel.partial_grads import deferred_partial_grad_sums, partial_grad_params, sum_partial_grads_
-from ...validation import check_positive
+from ...errors import check_positive
 from ..clip import clip_grad_norm_, grad_norm
 from ..precision import Precision
 from ..schedule import build_lr_schedule

@@ -9,13 +9,15 @@ import math
 
 import torch
 
-from ...validation import ConfigError, check_choice
-from ..clip import clip_grad_norm_, grad_norm, is_world_sharded
+from ...errors import ConfigError, check_choice
+from ...checkpoint.split import OptimizerPair
+from ...parallel.sharding import is_world_sharded
+from ..clip import clip_grad_norm_, grad_norm
 from ..precision import any_rank
 from ..schedule import build_lr_schedule
 from . import ds_compat
 from .base import Engine, EngineSettings, StepResult, mesh_group, param_groups
-from .world_sharded import OptimizerPair, WorldShardedAdamW, split_world_sharded
+from .world_sharded import WorldShardedAdamW, split_world_sharded
 
 _INPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ZERO_STAGES = (0, 1, 2)  # engine.zero_stage (stage 3 shards parameters, which TP already does)

@@ -1,4 +1,7 @@
-"""Everything bigdense does because of how DeepSpeed (pinned: 0.19.8) behaves, in one place.
+"""Everything bigdense does because of how DeepSpeed (pinned: 0.19.8) behaves, listed in one place.
+
+The workarounds are defined here, except those of checkpoints (7), which live with the checkpoint
+code in `bigdense.checkpoint.ds_state` (this floor imports them from there, never the other way).
 
 Each workaround, the DeepSpeed behaviour it works around, and the test that pins it:
 
@@ -30,7 +33,8 @@ Each workaround, the DeepSpeed behaviour it works around, and the test that pins
    masks come from that generator, so building an engine would shift every later mask. It runs
    under ``fork_rng``. Pinned by ``tests/test_train_parity.py`` and the engine parity tests above
    (masks that moved change every loss).
-7. `zero_layout`, `zero_fragment`, `loss_scaler_state` -- what checkpoints read from a ZeRO-1/2 or
+7. `zero_layout`, `zero_fragment`, `loss_scaler_state` (in `bigdense.checkpoint.ds_state`, beside
+   the checkpoint code that reads them) -- what checkpoints read from a ZeRO-1/2 or
    BF16 optimizer has no public API: the parameter groups and their flat fp32 partitions sit under
    ``bit16_groups`` / ``single_partition_of_fp32_groups`` (ZeRO) or ``bf16_groups`` /
    ``fp32_groups_flat_partition`` (BF16); where a parameter's fragment lies in this DP rank's
@@ -68,7 +72,7 @@ Each workaround, the DeepSpeed behaviour it works around, and the test that pins
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -266,57 +270,3 @@ def zero_grad_factor(optimizer, grad_clip: float, scale_before: float) -> float:
         total = float(optimizer._global_grad_norm) * scale_before / scale
         combined = max((total + 1e-6) / grad_clip, 1.0) * scale
     return 1.0 / combined
-
-
-_ZERO_LAYOUTS = (("bit16_groups", "single_partition_of_fp32_groups"), ("bf16_groups", "fp32_groups_flat_partition"))
-_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
-
-
-def zero_layout(optimizer) -> Optional[tuple[list, list]]:
-    """``(parameter groups, flat fp32 partitions)`` of a ZeRO-1/2 or BF16 optimizer wrapper, or
-    ``None`` for any other optimizer (workaround 7)."""
-    if not hasattr(optimizer, "optimizer"):
-        return None
-    for lp, hp in _ZERO_LAYOUTS:
-        if hasattr(optimizer, lp) and hasattr(optimizer, hp):
-            return getattr(optimizer, lp), getattr(optimizer, hp)
-    return None
-
-
-def zero_fragment(param) -> Optional[tuple[int, int, int]]:
-    """``(start in the flattened parameter, numel, start in the flat partition)`` of the fragment
-    of ``param`` this DP rank holds, or ``None`` (workaround 7)."""
-    mapping = getattr(param, "_hp_mapping", None)
-    if mapping is None or mapping.lp_fragment_address.numel == 0:
-        return None
-    return mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel, mapping.get_hp_fragment_address().start
-
-
-def unfused_masters(optimizer) -> Optional[tuple[list, list]]:
-    """``(low-precision parameter groups, their fp32 master groups)`` of DeepSpeed's stage-0
-    bf16/fp16 optimizer (one master tensor per parameter), or ``None`` for any other optimizer
-    (workaround 7)."""
-    if not (hasattr(optimizer, "optimizer") and hasattr(optimizer, "fp16_groups")):
-        return None
-    masters = getattr(optimizer, "fp32_groups", None)
-    if not isinstance(masters, list) or any(not isinstance(group, list) for group in masters):
-        return None  # the fused fp16 optimizer keeps flat masters, not one per parameter
-    return optimizer.fp16_groups, masters
-
-
-def _scaler(optimizer):
-    """Where the fp16 loss scale's counters live: ``loss_scaler``, or ``loss_scale_config`` (workaround 7)."""
-    return getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)
-
-
-def loss_scaler_state(optimizer) -> Optional[dict]:
-    """The fp16 loss scaler's scale and counters, or ``None`` without one (workaround 7)."""
-    scaler = _scaler(optimizer)
-    return None if scaler is None else {k: getattr(scaler, k) for k in _SCALER_FIELDS if hasattr(scaler, k)}
-
-
-def load_loss_scaler_state(optimizer, state: Optional[dict]) -> None:
-    scaler = _scaler(optimizer)
-    for k, v in (state or {}).items():
-        if scaler is not None and hasattr(scaler, k):
-            setattr(scaler, k, v)

@@ -6,7 +6,7 @@ from typing import Optional
 import torch.nn as nn
 
 from ...parallel.context import ParallelContext, get_default_context
-from ...validation import check_choice
+from ...errors import check_choice
 from .base import Engine, EngineSettings
 from .ddp import DDPEngine
 from .deepspeed import DSEngine

@@ -12,12 +12,9 @@ global by `ds_compat.add_to_norm` at stages 1-2), and skipped whenever DeepSpeed
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 
-from ..clip import is_world_sharded
+from ...parallel.sharding import is_world_sharded
 
 
 def split_world_sharded(groups: list[dict]) -> tuple[list[dict], list[int], list[dict], list[int]]:
@@ -84,16 +81,3 @@ class WorldShardedAdamW:
         for p, master in zip(self.params, self.masters):
             if p is not master:
                 p.copy_(master)
-
-
-@dataclass
-class OptimizerPair:
-    """What `DSEngine.checkpoint_state` hands ``bd.save_checkpoint``/``load_checkpoint`` as the
-    optimizer when some parameters are world-sharded: DeepSpeed's optimizer and `WorldShardedAdamW`,
-    saved as the one AdamW of ``param_groups`` (``*_from``: the group each of theirs came from), so
-    the checkpoint loads into the DDP engine and back."""
-
-    deepspeed: Any
-    world: WorldShardedAdamW
-    deepspeed_from: list[int]
-    world_from: list[int]

@@ -19,15 +19,15 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..parallel import comm, schedule
-from ..parallel.regions import copy_to_tp, gather_from_sequence
-from ..validation import check_positive_int, is_positive_int
-from .head_modes import ClassGroups, check_target, loss_inputs, resolve_class_groups
-from .init import InitSpec, init_bias_
-from .linear import ColumnParallelLinear
+from ...parallel import comm, schedule
+from ...parallel.regions import copy_to_tp, gather_from_sequence
+from ...errors import check_positive_int, is_positive_int
+from .modes import ClassGroups, check_target, loss_inputs, resolve_class_groups
+from ..init import InitSpec, init_bias_
+from ..linear import ColumnParallelLinear
 from .margin import MarginSpec, resolve_margin
 from .sampling import check_sample_rate
-from .vocab_ce import CEConfig, FusedVocabParallelCE, auto_chunk_size
+from .fused_ce import CEConfig, FusedVocabParallelCE, auto_chunk_size
 
 _REDUCTIONS = ("mean", "sum", "none")
 _STRATEGIES = ("forward", "recompute")
@@ -44,10 +44,10 @@ class ParallelClassifierHead(ColumnParallelLinear):
 
     ``chunk_size``: tokens per chunk in ``loss`` and ``predict``. ``None`` picks the largest chunk
     whose fp32 logits on the rank with the most classes (scored classes, when sampling) fit in
-    64 MiB (``vocab_ce.AUTO_CHUNK_BYTES``).
+    64 MiB (``fused_ce.AUTO_CHUNK_BYTES``).
     ``grad_strategy``: ``"forward"`` (form the gradients while the forward has each chunk's logits:
     3 matmuls) or ``"recompute"`` (recompute the logits in the backward: 4 matmuls, lets you call
-    backward twice); see `bigdense.layers.vocab_ce` for the measurements behind the default.
+    backward twice); see `bigdense.layers.head.fused_ce` for the measurements behind the default.
     ``init`` defaults to nn.Linear's ("torch"), with nn.Linear's bias law.
 
     ``forward(h)`` is ``logits(h)``: this rank's shard of the logits, (*, classes_local).
@@ -69,7 +69,7 @@ class ParallelClassifierHead(ColumnParallelLinear):
     default context's.
 
     ``sample_rate`` r in (0, 1]: each ``loss`` scores the classes that are targets somewhere in the
-    global batch plus each other class with probability r (`bigdense.layers.sampling`: a function
+    global batch plus each other class with probability r (`bigdense.layers.head.sampling`: a function
     of a seed drawn from torch's default generator at each call, the global batch's targets and the
     class index, so the same at every layout). The softmax runs over those classes only (label
     smoothing too); r = 1 is the exact full loss. Unsampled rows get a zero gradient: plain SGD
@@ -79,11 +79,11 @@ class ParallelClassifierHead(ColumnParallelLinear):
 
     ``margin``: ``None``, ``"arcface"`` = ``(1, 0.5, 0)``, ``"cosface"`` = ``(1, 0, 0.35)`` or
     ``(m1, m2, m3)``; the logits become ``scale * cos`` of L2-normalised features and class vectors,
-    the target's ``scale * (cos(m1 theta + m2) - m3)`` (`bigdense.layers.margin`), inside the fused
+    the target's ``scale * (cos(m1 theta + m2) - m3)`` (`bigdense.layers.head.margin`), inside the fused
     chunked loss. Needs ``bias=False``. ``logits`` and ``predict`` then give ``scale * cos``, so
     ``predict`` ranks by cosine. ``scale`` is InsightFace's 64 by default; far above what the class
     count needs (AdaCos's ``sqrt(2) ln(C - 1)``: 14 for 20,000 classes) it puts the softmax on the
-    few hardest negatives and slows early training (README, accuracy suite).
+    few hardest negatives and slows early training (docs/performance.md, the accuracy suite).
     """
 
     def __init__(

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..parallel import comm
+from ...parallel import comm
 
 AUTO_CHUNK_BYTES = {"cpu": 64 * 2**20, "default": 512 * 2**20}
 GPU_TOKEN_MULTIPLE = 128

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..parallel import comm
+from ...parallel import comm
 
 _MASK32 = 0xFFFFFFFF
 

@@ -11,14 +11,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..checks import checks_enabled
-from ..parallel import comm
-from ..parallel.context import get_default_context, resolve_tp_group
-from ..parallel.random import draw_seed
-from ..parallel.regions import gather_batch_from_dp
+from ...host_checks import checks_enabled
+from ...parallel import comm
+from ...parallel.context import get_default_context, resolve_tp_group
+from ...parallel.random import draw_seed
+from ...parallel.regions import gather_batch_from_dp
 from .margin import target_offset
 from .sampling import ScoredClasses, sample_classes
-from .vocab_ce import RowBlocks
+from .fused_ce import RowBlocks
 
 SHARD_MODES = ("tp", "world")
 

@@ -17,7 +17,7 @@ What is converted automatically (``plan=None``), and why nothing else is:
 
 A model of Hugging Face ``transformers`` that carries a tensor-parallel plan
 (``config.base_model_tp_plan`` and the class's ``_tp_plan``) is converted by that plan instead
-(`bigdense.hf_plan`); one that carries none is refused with ``plan=None`` (the patterns below
+(`bigdense.parallelize.hf`); one that carries none is refused with ``plan=None`` (the patterns below
 would miss its layers), naming them. Its ``Conv1D`` layers (GPT-2) convert as column/row keeping
 their transposed weight layout (`ColumnParallelConv1D`).
 
@@ -36,14 +36,14 @@ from typing import Mapping, Optional, Union
 
 import torch.nn as nn
 
-from .hf_plan import hf_tp_plan, is_hf_model, no_plan_error, translate_hf_plan
-from .layers import (
+from ..layers import (
     ColumnParallelConv1D, ColumnParallelLinear, ParallelClassifierHead, RowParallelConv1D, RowParallelLinear,
     ShardedDropout, VocabParallelEmbedding, tie_weights,
 )
-from .layers.conv1d import is_conv1d
-from .parallel.context import resolve_tp_group
-from .parallel.sharding import shard_range
+from ..layers.conv1d import is_conv1d
+from ..parallel.context import resolve_tp_group
+from ..parallel.sharding import shard_range
+from .hf import hf_tp_plan, is_hf_model, no_plan_error, translate_hf_plan
 
 logger = logging.getLogger("bigdense.parallelize")
 
@@ -165,9 +165,10 @@ def _check_convertible(model: nn.Module, name: str, style: str) -> None:
         )
 
 
-def plan_parallelism(model: nn.Module, plan: Optional[Mapping[str, PlanValue]] = None) -> dict[str, str]:
-    """What `parallelize` would convert: ``{module name: style}`` (nothing is changed); raises what
-    `parallelize` would raise for a plan naming a module it cannot convert."""
+def tp_plan(model: nn.Module, plan: Optional[Mapping[str, PlanValue]] = None) -> dict[str, str]:
+    """The TP plan `parallelize` would apply: ``{module name: style}`` (nothing is changed); raises
+    what `parallelize` would raise for a plan naming a module it cannot convert. (Also importable
+    as ``plan_parallelism``, its former name.)"""
     resolved = _choose_plan(model, plan)[0]
     for name, (style, _) in resolved.items():
         _check_convertible(model, name, style)
@@ -224,7 +225,7 @@ def parallelize(model: nn.Module, plan: Optional[Mapping[str, PlanValue]] = None
 
     The conversion is logged (logger ``bigdense.parallelize``) and recorded as
     ``model.bd_parallel_plan`` (``{name: style}``) and ``model.bd_parallel_plan_source`` (which
-    plan was used); `plan_parallelism` previews it.
+    plan was used); `tp_plan` previews it.
     """
     tp_group = resolve_tp_group(tp_group)
     resolved, source = _choose_plan(model, plan)
@@ -292,3 +293,6 @@ def _adapt_containers(model: nn.Module) -> None:
 def _sharded_dropout(dropout: nn.Dropout, column: ColumnParallelLinear) -> ShardedDropout:
     start, _ = shard_range(column.out_features, column.tp_size, column.tp_rank)
     return ShardedDropout(dropout.p, column.out_features, start)
+
+
+plan_parallelism = tp_plan  # the former name

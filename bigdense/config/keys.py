@@ -3,7 +3,7 @@
 `check_override_keys` reads the command line before Hydra composes it (a plain misspelt key would
 otherwise get Hydra's hint to append it with ``+``, which is then accepted); `check_known_keys`
 walks the composed config (a ``+`` override, or a typo in an option file). Both name the closest key
-that `bigdense.config`'s dataclasses define (`unknown_key_error`).
+that the schemas (`bigdense.config.schema`) define (`unknown_key_error`).
 """
 from __future__ import annotations
 
@@ -11,15 +11,14 @@ import difflib
 from dataclasses import fields, is_dataclass
 from typing import Iterable
 
-from .validation import ConfigError
+from ..errors import ConfigError
+from .schema import TrainConfig
 
 
 def schema_keys(schema=None, prefix: str = "") -> dict[str, bool]:
     """Every dotted key the schemas define (``schema``: `TrainConfig` unless given), read from the
     dataclasses: ``{key: is_group}``."""
     if schema is None:
-        from .config import TrainConfig
-
         schema = TrainConfig
     keys = {}
     for f in fields(schema):
@@ -44,7 +43,7 @@ def unknown_key_error(key: str) -> ConfigError:
               or [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.8)]
               or difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)))
     hint = f"; did you mean {close[0]}?" if close else ""
-    return ConfigError(f"{key} is not a config key{hint} (every key is documented in bigdense/config.py)")
+    return ConfigError(f"{key} is not a config key{hint} (every key is documented in bigdense/config/schema.py)")
 
 
 def check_known_keys(cfg) -> None:

@@ -28,7 +28,7 @@ Gradient strategy (``strategy=``):
   keeps only ``lse`` (N floats); the backward recomputes each chunk's logits: four matmuls.
 
 ``python -m bigdense.bench.head --contenders unsharded,bigdense,dtensor,bigdense-recompute`` measures
-both strategies (time and peak memory per rank); the README records the figures.
+both strategies (time and peak memory per rank); docs/performance.md records the figures.
 
 ``"forward"`` is the default: less time (the fourth matmul and a second softmax pass are gone)
 for the same peak memory -- in both, the peak is the weight, its gradient and one or two chunks
@@ -37,7 +37,7 @@ from the forward on, and a loss can only be backpropagated once.
 
 Across ranks, each chunk's all-gather of statistics is started and left running while the next
 chunk's logits are computed (two fp32 logits buffers), then finished; the buffers, the chunk
-sizes per device and the blocked low-precision weight gradient are in `vocab_ce_chunks`.
+sizes per device and the blocked low-precision weight gradient are in `ce_chunks`.
 """
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ from typing import Optional
 
 import torch
 
-from ..parallel import comm
-from .vocab_ce_chunks import (  # noqa: F401 - auto_chunk_size is part of this module's interface
+from ...parallel import comm
+from .ce_chunks import (  # noqa: F401 - auto_chunk_size is part of this module's interface
     AUTO_CHUNK_BYTES, ChunkBuffers, add_at_target_, auto_chunk_size, cast_operands, chunk_grads, chunk_stats,
     finish_combine, start_combine,
 )

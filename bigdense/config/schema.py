@@ -1,33 +1,15 @@
-"""The training configuration: one dataclass per Hydra config group, with documented defaults.
-
-``conf/<group>/<option>.yaml`` files fill these schemas: ``conf/config.yaml`` starts from
-`TrainConfig` (registered as ``_train_schema``), whose fields are the groups' dataclasses, so a
-wrong type fails when Hydra composes the config, naming the key. A key no dataclass defines --
-misspelt on the command line, appended with ``+`` or written in an option file -- stops the run
-naming the closest valid key (`bigdense.config_keys`). `validate`
-then checks what a schema cannot (ranges, combinations, the machine) and raises `ConfigError`
-naming the key, before any work starts.
+"""The schemas of the training configuration: one dataclass per Hydra config group, with
+documented defaults. ``conf/<group>/<option>.yaml`` files fill them; ``conf/config.yaml`` starts
+from `TrainConfig` (registered as ``_train_schema`` by `register_configs`), whose fields are the
+groups' dataclasses, so a wrong type fails when Hydra composes the config, naming the key. The
+allowed values and ranges are the owning code's (`bigdense.config.validate` asks them).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .config_keys import check_known_keys, check_override_keys, schema_keys, unknown_key_error  # noqa: F401
-from .data.prepare import check_data
-from .layers.init import INITIALIZERS
-from .layers.mlp import ACTIVATIONS
-from .models import MODELS, GPTConfig
-from .models.gpt import ATTENTION_DROPOUT_MODES, check_heads
-from .parallel.context import ParallelDims
-from .train.checkpointing import check_checkpointing
-from .train.compile import check_compile
-from .train.engines import EngineSettings
-from .train.engines.factory import check_engine
-from .train.precision import check_precision
-from .train.recompute import check_recompute
-from .validation import ConfigError, check_choice, check_positive
+from ..models import GPTConfig
 
 
 @dataclass
@@ -196,113 +178,3 @@ class PlanConfig:
     dp_gbps: float = 25.0  # the same across the DP group
     latency_us: float = 10.0  # cost of one step of a ring collective, microseconds
     top: int = 10  # layouts printed by --suggest
-
-
-def validate_plan(plan) -> None:
-    """The ``plan.*`` keys; errors name the key."""
-    check_choice("plan.device_type", plan.device_type, ("cuda", "cpu"))
-    for key in ("device_gb", "tflops", "tflops_fp32", "tp_gbps", "dp_gbps", "latency_us", "top"):
-        check_positive(f"plan.{key}", getattr(plan, key))
-    if plan.devices is not None:
-        check_positive("plan.devices", plan.devices)
-    if plan.overhead_gb is not None:
-        check_positive("plan.overhead_gb", plan.overhead_gb, allow_zero=True)
-
-
-def run_dir_name(run_dir: Optional[str] = None) -> str:
-    """The run directory: ``trainer.run_dir`` when set, else a name under ``outputs/`` that is the
-    same on every rank of one launch and across its restarts.
-
-    Under torchrun it is the whole rendezvous id, and nothing else (``--standalone`` makes a fresh
-    one per launch; restarts, requeues and relaunches with the same ``--rdzv-id`` keep it, even past
-    midnight, so the job finds its own checkpoints); alone, the date and time.
-    """
-    import re
-    import time
-
-    if run_dir:
-        return str(run_dir)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    if run_id != "none":
-        return "outputs/torchrun-" + re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
-    return time.strftime("outputs/%Y-%m-%d/%H-%M-%S")
-
-
-def register_configs() -> None:
-    """Register the schemas with Hydra's ConfigStore (``conf/config.yaml`` extends ``_train_schema``)
-    and the ``bd_run_dir`` resolver the run directory uses."""
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("bd_run_dir"):
-        OmegaConf.register_new_resolver("bd_run_dir", run_dir_name, use_cache=True)
-    ConfigStore.instance().store(name="_train_schema", node=TrainConfig)
-
-
-def validate(cfg, world_size: int, device_type: str) -> None:
-    """Every check a person can act on, before any work. ``cfg`` is a TrainConfig or DictConfig.
-
-    Each rule is asked of the code that owns it (the allowed values and ranges live there); what is
-    left here are the model's keys and the combinations of groups. Raises `ConfigError`.
-    """
-    check_known_keys(cfg)
-    m = cfg.model
-    check_choice("model.name", m.name, MODELS)
-    check_choice("model.activation", m.activation, ACTIVATIONS)
-    check_choice("model.init", m.init, sorted(INITIALIZERS))
-    check_recompute(cfg.recompute.mode, cfg.recompute.every)
-    check_precision(cfg.precision, device_type)
-    check_engine(EngineSettings.from_run_config(cfg), device_type)  # optimizer and schedule included
-    check_data(cfg.data)
-    for key in ("model.d_model", "model.n_layers", "model.n_heads", "model.max_seq_len",
-                "trainer.log_interval", "trainer.eval_batches", "parallel.timeout_s"):
-        group, name = key.split(".")
-        check_positive(key, getattr(getattr(cfg, group), name))
-    for key in ("trainer.eval_interval", "trainer.save_interval", "trainer.checked_steps"):
-        group, name = key.split(".")
-        check_positive(key, getattr(getattr(cfg, group), name), allow_zero=True)
-    for key in ("d_hidden", "head_chunk_size"):  # None: the model's own choice
-        if getattr(m, key) is not None:
-            check_positive(f"model.{key}", getattr(m, key))
-    check_compile(cfg.trainer.compile_backend)
-    if cfg.trainer.peak_tflops is not None:
-        check_positive("trainer.peak_tflops", cfg.trainer.peak_tflops)
-    for key in ("dropout", "attention_dropout"):
-        if not 0.0 <= getattr(m, key) < 1.0:
-            raise ConfigError(f"model.{key} must be in [0, 1), got {getattr(m, key)}")
-    check_choice("model.attention_dropout_mode", m.attention_dropout_mode, ATTENTION_DROPOUT_MODES)
-    if m.vocab_size is not None and m.vocab_size < cfg.data.vocab_size:
-        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than data.vocab_size={cfg.data.vocab_size}: "
-                          "the tokenizer would produce ids the embedding does not have (leave it null)")
-    low_rank = getattr(m, "low_rank", None)
-    if low_rank is not None and not hasattr(low_rank, "items"):
-        raise ConfigError(f"model.low_rank must be a mapping {{module path: rank}} or null, got {low_rank!r}")
-    for path, rank in (low_rank or {}).items():
-        check_positive(f"model.low_rank[{path}]", rank)
-    check_checkpointing(cfg.trainer)
-    init_from = getattr(cfg.trainer, "init_from", None)
-    if init_from and not os.path.exists(os.path.expanduser(str(init_from))):
-        raise ConfigError(f"trainer.init_from={init_from!r} does not exist")
-    if cfg.data.seq_len > m.max_seq_len:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-
-    tp = ParallelDims.resolve(cfg.parallel.tp, cfg.parallel.dp, world_size).tp
-    check_heads(m.d_model, m.n_heads, tp, key="model.", tp_key="parallel.tp")
-    _validate_head(cfg)
-
-
-def _validate_head(cfg) -> None:
-    """The head's own rules (from `bigdense.layers`), reported under their config keys."""
-    from .layers.head_modes import SHARD_MODES
-    from .layers.margin import resolve_margin
-    from .layers.sampling import check_sample_rate
-
-    head = cfg.head
-    check_choice("head.shard", head.shard, SHARD_MODES)
-    margin = head.margin if head.margin is None or isinstance(head.margin, str) else tuple(head.margin)
-    for key, check in (("head.sample_rate", lambda: check_sample_rate(head.sample_rate, "head")),
-                       ("head.margin", lambda: resolve_margin(margin, head.scale, "head"))):
-        try:
-            check()
-        except ValueError as err:
-            raise ConfigError(f"{key}={getattr(head, key.split('.')[1])!r}: {err}") from None

@@ -1,6 +1,6 @@
-"""Run setup and model construction for `launch/train.py`: starting a run (config checks, mesh,
-seeds, run directory), reporting a bad config once per launch (`stop`, `HeldStderr`), and
-building the reference GPT from the ``model`` config group."""
+"""Starting a run, for both launchers: the config checked on every rank, the mesh built from the
+`ParallelDims` that check resolved (once per launch), every generator seeded, the run directory
+agreed on; and a bad config reported once per launch (`stop`, `HeldStderr`)."""
 from __future__ import annotations
 
 import io
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import validate
-from ..parallel.context import ParallelContext, ParallelDims, init_parallel
-from .faults import require_writable
+from ..parallel.context import ParallelContext, init_parallel
+from ..train.faults import require_writable
 
 log = logging.getLogger("bigdense")
 
@@ -88,9 +88,8 @@ def start_run(cfg, hydra_output_dir: str) -> Run:
     """
     _, world = launcher_world()
     use_cuda = torch.cuda.is_available() and cfg.parallel.backend in (None, "nccl")
-    validate(cfg, world, "cuda" if use_cuda else "cpu")
-    dims = ParallelDims.resolve(cfg.parallel.tp, cfg.parallel.dp, world)
-    ctx = init_parallel(tp=dims.tp, dp=dims.dp, backend=cfg.parallel.backend, timeout=cfg.parallel.timeout_s)
+    dims = validate(cfg, world, "cuda" if use_cuda else "cpu")
+    ctx = init_parallel(dims=dims, backend=cfg.parallel.backend, timeout=cfg.parallel.timeout_s)
     # Every rank gets the same seed: TP-invariant initialisation and dropout rely on the ranks of a
     # TP group drawing the same numbers; data order comes from its own generator.
     seed_everything(cfg.trainer.seed)
@@ -109,16 +108,3 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def build_gpt(model_cfg, vocab_size: int, ctx: ParallelContext, parallel_cfg=None):
-    """The reference GPT from the ``model`` config group, sharded over ``ctx``'s TP group
-    (sequence parallelism and communication overlap from the ``parallel`` group, when given)."""
-    from ..models import GPT, GPTConfig
-
-    cfg = GPTConfig.from_config(model_cfg, vocab_size)
-    if parallel_cfg is not None:
-        cfg.sequence_parallel = bool(parallel_cfg.sequence_parallel)
-        cfg.overlap_comm = bool(parallel_cfg.overlap_comm)
-    with torch.device(ctx.device):
-        return GPT(cfg, tp_group=ctx.tp_group)

@@ -110,7 +110,7 @@ def target_offset(
     gradient flows back to the holding rank's class row and, summed over ``tp_group``, to ``h``.
     ``weight_grad_factor`` scales the class rows' gradient (the DP average of a world-sharded head).
     """
-    from ..parallel.regions import copy_to_tp, reduce_from_tp
+    from ...parallel.regions import copy_to_tp, reduce_from_tp
 
     c_local = w_unit.shape[0]
     t_local = target - class_start

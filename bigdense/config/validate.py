@@ -1,0 +1,104 @@
+"""`validate`: every check a person can act on, before any work, on every rank alike.
+
+Each rule is asked of the code that owns it (`layers.mlp.ACTIVATIONS`, `train.recompute.MODES`,
+`ParallelDims`, the engines, ...); what is written here are the model's keys and the combinations
+of groups. Raises `bigdense.ConfigError` naming the key.
+"""
+from __future__ import annotations
+
+import os
+
+from ..data.prepare import check_data
+from ..errors import ConfigError, check_choice, check_positive
+from ..layers.head.modes import SHARD_MODES
+from ..layers.init import INITIALIZERS
+from ..layers.head.margin import resolve_margin
+from ..layers.mlp import ACTIVATIONS
+from ..layers.head.sampling import check_sample_rate
+from ..models import MODELS
+from ..models.gpt import ATTENTION_DROPOUT_MODES, check_heads
+from ..parallel.context import ParallelDims
+from ..train.checkpointing import check_checkpointing
+from ..train.compile import check_compile
+from ..train.engines import EngineSettings
+from ..train.engines.factory import check_engine
+from ..train.precision import check_precision
+from ..train.recompute import check_recompute
+from .keys import check_known_keys
+
+
+def validate(cfg, world_size: int, device_type: str) -> ParallelDims:
+    """Every check a person can act on, before any work, for ``world_size`` processes on
+    ``device_type``; returns the mesh (`ParallelDims`, resolved here, once per launch).
+    ``cfg`` is a TrainConfig or DictConfig. Raises `ConfigError`.
+    """
+    check_known_keys(cfg)
+    m = cfg.model
+    check_choice("model.name", m.name, MODELS)
+    check_choice("model.activation", m.activation, ACTIVATIONS)
+    check_choice("model.init", m.init, sorted(INITIALIZERS))
+    check_recompute(cfg.recompute.mode, cfg.recompute.every)
+    check_precision(cfg.precision, device_type)
+    check_engine(EngineSettings.from_run_config(cfg), device_type)  # optimizer and schedule included
+    check_data(cfg.data)
+    for key in ("model.d_model", "model.n_layers", "model.n_heads", "model.max_seq_len",
+                "trainer.log_interval", "trainer.eval_batches", "parallel.timeout_s"):
+        group, name = key.split(".")
+        check_positive(key, getattr(getattr(cfg, group), name))
+    for key in ("trainer.eval_interval", "trainer.save_interval", "trainer.checked_steps"):
+        group, name = key.split(".")
+        check_positive(key, getattr(getattr(cfg, group), name), allow_zero=True)
+    for key in ("d_hidden", "head_chunk_size"):  # None: the model's own choice
+        if getattr(m, key) is not None:
+            check_positive(f"model.{key}", getattr(m, key))
+    check_compile(cfg.trainer.compile_backend)
+    if cfg.trainer.peak_tflops is not None:
+        check_positive("trainer.peak_tflops", cfg.trainer.peak_tflops)
+    for key in ("dropout", "attention_dropout"):
+        if not 0.0 <= getattr(m, key) < 1.0:
+            raise ConfigError(f"model.{key} must be in [0, 1), got {getattr(m, key)}")
+    check_choice("model.attention_dropout_mode", m.attention_dropout_mode, ATTENTION_DROPOUT_MODES)
+    if m.vocab_size is not None and m.vocab_size < cfg.data.vocab_size:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than data.vocab_size={cfg.data.vocab_size}: "
+                          "the tokenizer would produce ids the embedding does not have (leave it null)")
+    low_rank = getattr(m, "low_rank", None)
+    if low_rank is not None and not hasattr(low_rank, "items"):
+        raise ConfigError(f"model.low_rank must be a mapping {{module path: rank}} or null, got {low_rank!r}")
+    for path, rank in (low_rank or {}).items():
+        check_positive(f"model.low_rank[{path}]", rank)
+    check_checkpointing(cfg.trainer)
+    init_from = getattr(cfg.trainer, "init_from", None)
+    if init_from and not os.path.exists(os.path.expanduser(str(init_from))):
+        raise ConfigError(f"trainer.init_from={init_from!r} does not exist")
+    if cfg.data.seq_len > m.max_seq_len:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+
+    dims = ParallelDims.resolve(cfg.parallel.tp, cfg.parallel.dp, world_size)
+    check_heads(m.d_model, m.n_heads, dims.tp, key="model.", tp_key="parallel.tp")
+    _validate_head(cfg)
+    return dims
+
+
+def _validate_head(cfg) -> None:
+    """The head's own rules (from `bigdense.layers`), reported under their config keys."""
+
+    head = cfg.head
+    check_choice("head.shard", head.shard, SHARD_MODES)
+    margin = head.margin if head.margin is None or isinstance(head.margin, str) else tuple(head.margin)
+    for key, check in (("head.sample_rate", lambda: check_sample_rate(head.sample_rate, "head")),
+                       ("head.margin", lambda: resolve_margin(margin, head.scale, "head"))):
+        try:
+            check()
+        except ValueError as err:
+            raise ConfigError(f"{key}={getattr(head, key.split('.')[1])!r}: {err}") from None
+
+
+def validate_plan(plan) -> None:
+    """The ``plan.*`` keys; errors name the key."""
+    check_choice("plan.device_type", plan.device_type, ("cuda", "cpu"))
+    for key in ("device_gb", "tflops", "tflops_fp32", "tp_gbps", "dp_gbps", "latency_us", "top"):
+        check_positive(f"plan.{key}", getattr(plan, key))
+    if plan.devices is not None:
+        check_positive("plan.devices", plan.devices)
+    if plan.overhead_gb is not None:
+        check_positive("plan.overhead_gb", plan.overhead_gb, allow_zero=True)

@@ -1,0 +1,69 @@
+"""`parallelize_model`: everything a job does to a model between building it and training it, in
+one fixed order, for every job (`launch/train.py`, `launch/classify.py`, `python -m
+bigdense.compress`, the memory planner's measurement).
+
+1. Tensor parallelism. bigdense's models are built sharded over the mesh's TP group from their
+   config (`bigdense.jobs.models`); any other module is converted by `bd.parallelize` (its own
+   Hugging Face plan, or the automatic Linear pairs).
+2. The starting weights (``init_from``: a checkpoint of any layout), loaded into the plain model
+   before an engine takes copies of them (DeepSpeed's fp32 masters).
+3. ``torch.compile`` of each transformer block (``trainer.compile``).
+4. Activation checkpointing (the ``recompute`` group), around the compiled blocks.
+5. The engine (the ``engine`` group): data parallelism, precision, the optimizer, clipping.
+
+As torchtitan's ``parallelize_llama``: TP before compile (it changes the graphs), checkpointing
+after compile (it wraps what was compiled), the engine last (it wraps the finished model).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.nn as nn
+
+from ..checkpoint import load_checkpoint
+from ..errors import ConfigError
+from ..layers.base import TensorParallelModule
+from ..parallel.context import ParallelContext
+from ..parallelize import parallelize
+from ..train.compile import compile_blocks
+from ..train.engines import Engine, EngineSettings, build_engine
+from ..train.recompute import apply_recompute
+
+log = logging.getLogger("bigdense")
+
+
+@dataclass
+class Parallelized:
+    """What `parallelize_model` made: the model (sharded, compiled, checkpointed as asked) and its
+    engine (None when none was asked for)."""
+
+    model: nn.Module
+    engine: Optional[Engine]
+
+
+def parallelize_model(model: nn.Module, ctx: ParallelContext, cfg, *, init_from: Optional[str] = None,
+                      engine: bool = True) -> Parallelized:
+    """Apply the run config ``cfg``'s parallelism to ``model`` on ``ctx``'s mesh (see the module
+    docstring for the order). ``engine=False`` stops before the engine (a job that only runs the
+    model: compression); the model's blocks are ``model.blocks``."""
+    if not _is_sharded(model) and ctx.tp_size > 1:
+        model = parallelize(model, tp_group=ctx.tp_group)
+    if init_from:
+        meta = load_checkpoint(init_from, model, load_rng=False)
+        log.info("model weights from %s (saved at step %s)", init_from, meta.step)
+    blocks = getattr(model, "blocks", None)
+    if blocks is None and (cfg.trainer.compile or cfg.recompute.mode != "none"):
+        raise ConfigError(f"trainer.compile and recompute.mode act on a model's transformer blocks (its `blocks`); "
+                          f"{type(model).__name__} has none")
+    if blocks is not None and cfg.trainer.compile:
+        compile_blocks(blocks, cfg.trainer.compile_backend)
+    if blocks is not None:
+        apply_recompute(blocks, cfg.recompute)
+    return Parallelized(model, build_engine(model, ctx, EngineSettings.from_run_config(cfg)) if engine else None)
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    """Built with bigdense's layers (sharded over TP from the start)."""
+    return any(isinstance(m, TensorParallelModule) for m in model.modules())
