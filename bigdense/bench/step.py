@@ -84,11 +84,13 @@ def variant(name: str, checks: bool | None = None):
     """``"baseline"``: tile-loop dropout and host checks on; ``"current"``: this code, checks off.
     ``checks`` overrides the checks (meta tensors cannot be read: off for both there)."""
     import bigdense as bd
+    import bigdense.layers.base as base_mod
     import bigdense.layers.dropout as dropout_mod
-    import bigdense.layers.mlp as mlp_mod
     import bigdense.models.gpt as gpt_mod
 
-    modules = (gpt_mod, mlp_mod, dropout_mod)
+    # Every module that calls tp_dropout by name: the GPT (attention probabilities), base's
+    # sequence_dropout (embedding, attention and MLP outputs), ShardedDropout.
+    modules = (gpt_mod, base_mod, dropout_mod)
     saved = [m.tp_dropout for m in modules]
     if name == "baseline":
         for m in modules:

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import comm, schedule
+from .autocast import autocast_dtype, no_autocast
 from .sharding import shard_sizes
 
 SEQ_DIM = -2  # activations are (*, seq, hidden); sequence parallelism splits seq
@@ -234,9 +235,9 @@ class _ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cfg: ColumnComm, *params):
         device_type = x.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        dtype = autocast_dtype(device_type, x.dtype)
         xc = x.to(dtype)
-        with torch.autocast(device_type, enabled=False):
+        with no_autocast(device_type):
             total = xc if cfg.seq_sizes is None else comm.all_gather_dim(xc, SEQ_DIM, cfg.group, cfg.seq_sizes)
             outs = tuple(
                 torch.nn.functional.linear(total, w.to(dtype), None if b is None else b.to(dtype))
@@ -251,7 +252,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
         cfg = ctx.cfg
         xc, *params = ctx.saved_tensors
         weights, biases = params[0::2], params[1::2]
-        with torch.autocast(xc.device.type, enabled=False):
+        with no_autocast(xc.device.type):
             grads = [g.to(xc.dtype) for g in grads]
             if cfg.seq_sizes is not None:
                 gathering = comm.all_gather_dim_start(xc, SEQ_DIM, cfg.group, cfg.seq_sizes)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ...parallel import comm, schedule
+from ...parallel.autocast import autocast_dtype
 from ...parallel.regions import copy_to_tp, gather_from_sequence
 from ...errors import check_positive_int, is_positive_int
 from .modes import ClassGroups, check_target, loss_inputs, resolve_class_groups
@@ -248,8 +249,7 @@ class ParallelClassifierHead(ColumnParallelLinear):
             raise ValueError(f"{self._where()}: label_smoothing must be in [0, 1], got {label_smoothing}")
         x = loss_inputs(self, h.reshape(-1, self.in_features), target.reshape(-1), int(ignore_index))
         device_type = h.device.type
-        autocasting = device_type != "meta" and torch.is_autocast_enabled(device_type)  # meta: shapes only
-        compute_dtype = torch.get_autocast_dtype(device_type) if autocasting else h.dtype
+        compute_dtype = autocast_dtype(device_type, h.dtype)
         cfg = CEConfig(
             group=self.tp_group,
             num_classes=x.classes.num_classes,
@@ -315,7 +315,7 @@ class ParallelClassifierHead(ColumnParallelLinear):
             ids.append(i.gather(1, order))
         lead = tuple(h.shape[:-1])
         if not values:  # empty batch
-            dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+            dtype = autocast_dtype(h.device.type, h.dtype)
             return h.new_empty(lead + (k,), dtype=dtype), torch.empty(lead + (k,), dtype=torch.long, device=h.device)
         return torch.cat(values)[own].reshape(lead + (k,)), torch.cat(ids)[own].reshape(lead + (k,))
 

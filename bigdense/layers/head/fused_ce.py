@@ -41,13 +41,13 @@ sizes per device and the blocked low-precision weight gradient are in `ce_chunks
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ...parallel import comm
+from ...parallel.autocast import no_autocast
 from .ce_chunks import (  # noqa: F401 - auto_chunk_size is part of this module's interface
     AUTO_CHUNK_BYTES, ChunkBuffers, add_at_target_, auto_chunk_size, cast_operands, chunk_grads, chunk_stats,
     finish_combine, start_combine,
@@ -122,18 +122,13 @@ class FusedVocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
         # The matmul dtype was decided by the caller (autocast's, if on); inside, every op is explicit.
-        with _no_autocast(h.device.type):
+        with no_autocast(h.device.type):
             return _forward(ctx, h, weight, bias, target, target_offset, cfg)
 
     @staticmethod
     def backward(ctx, grad_out):
-        with _no_autocast(grad_out.device.type):
+        with no_autocast(grad_out.device.type):
             return _backward(ctx, grad_out)
-
-
-def _no_autocast(device_type: str):
-    # The meta device (shape-only runs, op counting) has no autocast state.
-    return contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
 
 
 def _forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
