@@ -24,7 +24,8 @@ its boundary instead of leaving them waiting.
 Off by default, and then free: `comm` tests one module flag per collective and the region wrappers
 one per call; no hook is installed. On, each collective costs a few store round trips (a debug
 switch, not for production runs). Collectives traced by ``torch.compile`` are not checked (the
-compiler schedules them), nor are object collectives outside `comm` (configuration agreement).
+compiler schedules them), nor those of torch's "fake" backend (one process, no peers), nor object
+collectives outside `comm` (configuration agreement).
 """
 from __future__ import annotations
 
@@ -172,6 +173,9 @@ class _GroupState:
         self.ranks = dist.get_process_group_ranks(group)
         self.seq = 0
         self.lock = threading.Lock()
+        # torch's "fake" backend (one process playing one rank: shape-only runs) has no peers to
+        # agree with, nor a store that holds anything.
+        self.checked = dist.get_backend(group) != "fake"
 
 
 _groups: dict[str, _GroupState] = {}
@@ -231,6 +235,8 @@ def agree(kind: str, group, tensor: torch.Tensor, op: Optional[str] = None) -> N
             log.info("collective-schedule check on: the ranks agree on every collective before it is issued "
                      "(deadline %g s)", _timeout_s)
         state = _groups.setdefault(group.group_name, _GroupState(group))
+    if not state.checked:
+        return
     phase, layer, code = origin()
     entry = {"kind": kind, "shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
              "op": op or "", "phase": phase, "layer": layer, "code": code, "rank": dist.get_rank()}
@@ -245,9 +251,9 @@ def boundary(label: str) -> None:
     if not _enabled or not dist.is_initialized():
         return
     for name in sorted(_groups):
-        if name in _excluded:
-            continue
         state = _groups[name]
+        if name in _excluded or not state.checked:
+            continue
         entry = {"kind": "boundary", "shape": [], "dtype": "", "op": "", "phase": "", "layer": label,
                  "code": "", "rank": dist.get_rank()}
         with state.lock:
