@@ -81,11 +81,7 @@ def train(cfg) -> None:
 
     # 4. Resume from this run directory's last complete checkpoint, if any.
     ckpts = RunCheckpoints(run.checkpoint_dir, engine, tr, cfg)
-    start_step, data_offset = 0, 0
-    resumed = ckpts.load_latest() if tr.resume else None
-    if resumed is not None:
-        start_step, data_offset = resumed
-        log.info("resumed from %s at step %d of %d", run.checkpoint_dir / "latest", start_step, tr.max_steps)
+    start_step, data_offset = ckpts.resume()
 
     def held_out(step: int, bar) -> None:
         result = evaluate(engine, task, ctx, cfg.precision.dtype, tr.eval_batches)

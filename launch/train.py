@@ -69,15 +69,7 @@ def train(cfg) -> None:
     # 4. Resume from this run directory's last complete checkpoint, if any (a larger max_steps
     #    extends the run).
     ckpts = RunCheckpoints(run.checkpoint_dir, engine, tr, cfg)
-    start_step, data_offset = 0, 0
-    resumed = ckpts.load_latest() if tr.resume else None
-    if resumed is not None:
-        start_step, data_offset = resumed
-        log.info("resumed from %s at step %d of %d", run.checkpoint_dir / "latest", start_step, tr.max_steps)
-        if start_step >= tr.max_steps:
-            log.warning("nothing to train: %s is at step %d and trainer.max_steps=%d; extend with a larger "
-                        "trainer.max_steps, or start fresh in another trainer.run_dir", run.checkpoint_dir / "latest",
-                        start_step, tr.max_steps)
+    start_step, data_offset = ckpts.resume()
 
     # 5. The loop (`bigdense.jobs.loop`): a step's batch is a pure function of (seed, data
     #    position); nothing in a step reads the device on the host, so outcomes are read at the

@@ -92,6 +92,19 @@ class RunCheckpoints:
                             "; ".join(changes), info.step + 1)
         return info.step, (info.extra or {}).get("data_offset", 0)
 
+    def resume(self) -> tuple[int, int]:
+        """``(start step, data offset)`` of the run: from ``latest`` when ``trainer.resume`` and there
+        is one (logged; a warning when it has nothing left to train), else ``(0, 0)``."""
+        resumed = self.load_latest() if self.tr.resume else None
+        if resumed is None:
+            return 0, 0
+        step, latest = resumed[0], self.dir / LATEST
+        log.info("resumed from %s at step %d of %d", latest, step, self.tr.max_steps)
+        if step >= self.tr.max_steps:
+            log.warning("nothing to train: %s is at step %d and trainer.max_steps=%d; extend with a larger "
+                        "trainer.max_steps, or start fresh in another trainer.run_dir", latest, step, self.tr.max_steps)
+        return resumed
+
     def rollback(self, bad: BadSteps) -> tuple[int, int]:
         """After too many non-finite steps: load ``latest``; ``(its step, the data offset past the
         bad batches)``, or `TrainingStopped` (see `BadSteps.rollback_offset`)."""
