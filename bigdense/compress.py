@@ -9,8 +9,8 @@ replaced by its low-rank pair, unless the pair would not be smaller. Writes a ch
 compressed model (``--out``, any TP size can load it) and ``compress_report.json`` there: per layer
 the rank, parameters and FLOPs per token before/after, the relative Frobenius error
 ``||W - W_r||_F / ||W||_F`` (computed over the shards), the forward time before/after; and the
-held-out loss before and after. Fine-tune it with the overrides the report prints
-(``'model.low_rank={...}' trainer.init_from=DIR``).
+held-out loss before and after. Fine-tune it with ``trainer.init_from=DIR``: the training job takes
+the low-rank structure (``model.low_rank``, recorded in the checkpoint's config) from it.
 """
 from __future__ import annotations
 
@@ -186,12 +186,11 @@ def run(args) -> dict:
     low.update({r["layer"]: r["rank"] for r in rows if not r["kept"]})
     OmegaConf.update(cfg, "model.low_rank", low, merge=False)
     save_checkpoint(out, model, step=step, config=cfg, update_latest=False)
-    structure = "{" + ",".join(f"{k}:{v}" for k, v in low.items()) + "}"
     report = {"source": str(source), "out": str(out), "energy": args.energy, "rank": args.rank, "tp": ctx.tp_size,
               "tokens_timed": tokens, "layers": rows, "held_out_loss_before": loss_before,
               "held_out_loss_after": loss_after, "params_before": sum(r["params_before"] for r in rows),
               "params_after": sum(r["params_after"] for r in rows),
-              "fine_tune_overrides": [f"model.low_rank={structure}", f"trainer.init_from={out}"]}
+              "low_rank": low, "fine_tune_overrides": [f"trainer.init_from={out}"]}
     if ctx.is_main:
         (Path(out) / "compress_report.json").write_text(json.dumps(report, indent=2))
     return report
@@ -208,7 +207,7 @@ def format_report(report: dict) -> str:
     if report["held_out_loss_before"] is not None:
         lines.append(f"held-out loss: {report['held_out_loss_before']:.4f} -> {report['held_out_loss_after']:.4f}")
     lines.append(f"written: {report['out']}; fine-tune with: torchrun launch/train.py "
-                 + " ".join(f"'{o}'" for o in report["fine_tune_overrides"]))
+                 + " ".join(report["fine_tune_overrides"]) + " (it takes model.low_rank from there)")
     return "\n".join(lines)
 
 

@@ -12,7 +12,6 @@ options. The same config groups as `launch/train.py` (conf/, documented in bigde
 loss_curve.png, checkpoints/ and one log per rank.
 """
 import logging
-from pathlib import Path
 
 import hydra
 import torch
@@ -96,6 +95,8 @@ def train(cfg) -> None:
     bar = tqdm(total=tr.max_steps, initial=start_step, disable=not (ctx.is_main and tr.progress_bar),
                dynamic_ncols=True, desc="classify")
     loop = StepLoop(tr, ckpts, start_step, data_offset, bar)
+    if loop.resumed:
+        metrics.write({"kind": "resume", "step": start_step})  # marked on the plot
     for step in loop:
         micro_batches = [task.train_batch(step.pos, m, ctx.dp_rank, ctx.dp_size) for m in range(cfg.data.grad_accum)]
         if loop.record(step, train_step_or_diagnose(engine, micro_batches, ctx, step.number)):
@@ -121,13 +122,16 @@ def train(cfg) -> None:
         loop.end_of(step)
     bar.close()
 
-    # 6. The final checkpoint, held-out accuracy, the loss curve.
+    # 6. The final checkpoint, held-out accuracy, the loss and accuracy curves (a launch with
+    #    nothing left to train adds none of them).
     loop.finish()
-    held_out(tr.max_steps, tqdm)
+    if loop.trained:
+        held_out(tr.max_steps, tqdm)
     metrics.close()
-    if ctx.is_main and tr.plot:
-        png = plot_loss_curve(metrics.path, Path(run.run_dir) / "loss_curve.png")
-        log.info("metrics: %s; loss curve: %s; checkpoints: %s", metrics.path, png, run.checkpoint_dir)
+    if ctx.is_main and loop.trained:
+        png = plot_loss_curve(metrics.path, run.run_dir / "loss_curve.png", title=run.label(cfg),
+                              loss_unit="nats/window", accuracy=True) if tr.plot else None
+        log.info(run.describe_outputs([metrics.path, png], metrics.tensorboard_dir))
     bd.destroy_parallel()
 
 

@@ -9,11 +9,10 @@
 
 Options: conf/ (one folder per group), documented in bigdense/config/schema.py. Everything a run writes
 goes to its run directory (trainer.run_dir, or a new one under outputs/): metrics.jsonl,
-loss_curve.png, checkpoints/, train_rank*.log.
+loss_curve.png, checkpoints/, train_rank*.log, and tensorboard/ with trainer.tensorboard=true.
 """
 import logging
 import math
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -75,13 +74,15 @@ def train(cfg) -> None:
     #    position); nothing in a step reads the device on the host, so outcomes are read at the
     #    interval's sync points (log, evaluation, save), where a run of bad steps rolls back.
     metrics = MetricsLog(run.run_dir, ctx.is_main, tensorboard=tr.tensorboard)
-    stats = DenseLayerStats(model, ctx.tp_group) if tr.log_rms else None
-    tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * ctx.dp_size
     bar = tqdm(total=tr.max_steps, initial=start_step, disable=not (ctx.is_main and tr.progress_bar),
                dynamic_ncols=True, desc="train")
+    loop = StepLoop(tr, ckpts, start_step, data_offset, bar)
+    if loop.resumed:
+        metrics.write({"kind": "resume", "step": start_step})  # marked on the loss curve
+    stats = DenseLayerStats(model, ctx.tp_group) if tr.log_rms else None
+    tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * ctx.dp_size
     flops_token = flops_per_token(counts["total"], cfg.model.n_layers, cfg.model.d_model, cfg.data.seq_len)
     peak = peak_tflops(ctx.device, tr.peak_tflops)
-    loop = StepLoop(tr, ckpts, start_step, data_offset, bar)
     for step in loop:
         micro_batches = [data.train_batch(step.pos, m, ctx.dp_rank, ctx.dp_size) for m in range(cfg.data.grad_accum)]
         if stats is not None:
@@ -123,15 +124,18 @@ def train(cfg) -> None:
         loop.end_of(step)
     bar.close()
 
-    # 6. The final checkpoint, a held-out evaluation, the loss curve.
+    # 6. The final checkpoint, a held-out evaluation, the loss curve (a launch with nothing left
+    #    to train adds none of them).
     loop.finish()
-    eval_loss = evaluate(engine, data, ctx, tr.eval_batches)
-    metrics.write({"kind": "eval", "step": tr.max_steps, "eval_loss": eval_loss})
-    log.info("held-out loss %.4f (perplexity %.1f) after %d steps", eval_loss, math.exp(min(eval_loss, 50)), tr.max_steps)
+    if loop.trained:
+        eval_loss = evaluate(engine, data, ctx, tr.eval_batches)
+        metrics.write({"kind": "eval", "step": tr.max_steps, "eval_loss": eval_loss})
+        log.info("held-out loss %.4f (perplexity %.1f) after %d steps", eval_loss, math.exp(min(eval_loss, 50)),
+                 tr.max_steps)
     metrics.close()
-    if ctx.is_main and tr.plot:
-        png = plot_loss_curve(metrics.path, Path(run.run_dir) / "loss_curve.png")
-        log.info("metrics: %s; loss curve: %s; checkpoints: %s", metrics.path, png, run.checkpoint_dir)
+    if ctx.is_main and loop.trained:
+        png = plot_loss_curve(metrics.path, run.run_dir / "loss_curve.png", title=run.label(cfg)) if tr.plot else None
+        log.info(run.describe_outputs([metrics.path, png], metrics.tensorboard_dir))
     bd.destroy_parallel()
 
 

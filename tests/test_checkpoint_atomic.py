@@ -210,6 +210,13 @@ def _make_bad_copies(root: Path) -> dict[str, tuple[Path, list[str]]]:
     d = copy("no_manifest")
     (d / "manifest.json").unlink()
     cases["no_manifest"] = (d, ["no_manifest", "not a complete bigdense checkpoint"])
+    (root / "run_without_checkpoint" / "checkpoints").mkdir(parents=True)
+    cases["run_without_checkpoint"] = (root / "run_without_checkpoint",
+                                       ["is a run directory, but", "holds no complete checkpoint yet"])
+    (root / "no_pointer").mkdir()
+    shutil.copytree(good, root / "no_pointer" / "step_0000003")
+    cases["no_pointer"] = (root / "no_pointer", ["holds checkpoints but no `latest` pointer",
+                                                 str(root / "no_pointer" / "step_0000003")])
     d = copy("bad_common")
     (d / "common.pt").write_bytes(b"x" * (d / "common.pt").stat().st_size)
     cases["bad_common"] = (d, ["common.pt", "checksum"])
@@ -247,10 +254,11 @@ def _try_bad_loads(cases):
     for name, (path, _) in cases.items():
         with pytest.raises(bd.CheckpointError) as info:
             bd.load_checkpoint(path, model, opt)
+        assert not isinstance(info.value, bd.CheckpointMismatch), name  # a bad file, not another model
         messages[name] = str(info.value)
     for name, other in others.items():
         path = Path(next(iter(cases.values()))[0]).parent / "good"
-        with pytest.raises(bd.CheckpointError) as info:
+        with pytest.raises(bd.CheckpointMismatch) as info:  # on every rank, through the agreement
             bd.load_checkpoint(path, other)
         messages[name] = str(info.value)
     after = local_states(model, opt)
@@ -270,3 +278,14 @@ def test_bad_checkpoints_fail_on_every_rank_with_file_and_tensor_named_and_nothi
         for case, words in expected.items():
             for word in words:
                 assert word in messages[case], f"rank {rank}, {case}: {word!r} not in: {messages[case]}"
+
+
+def test_a_run_directory_its_checkpoints_and_its_pointer_all_name_the_latest_checkpoint(tmp_path):
+    from bigdense.checkpoint.format import resolve_checkpoint
+
+    step = tmp_path / "run" / "checkpoints" / "step_0000004"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    (step.parent / "latest").write_text("step_0000004")
+    for given in (tmp_path / "run", step.parent, step.parent / "latest", step):
+        assert resolve_checkpoint(given) == step, given

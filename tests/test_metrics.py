@@ -74,3 +74,20 @@ def test_metrics_log_and_loss_curve(tmp_path):
     assert [r["kind"] for r in lines] == ["train", "train", "eval"]
     assert plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png").stat().st_size > 1000
     assert not MetricsLog(tmp_path / "nope", enabled=False).enabled  # other ranks write nothing
+
+
+def test_the_classifier_plot_adds_an_accuracy_panel_and_marks_resumes(tmp_path):
+    log = MetricsLog(tmp_path, enabled=True, tensorboard=False)
+    for record in ({"kind": "train", "step": 10, "loss": 5.0}, {"kind": "resume", "step": 10},
+                   {"kind": "train", "step": 20, "loss": 4.0}, {"kind": "eval", "step": 20, "eval_loss": 4.2,
+                                                                "top1": 0.2, "top5": 0.5}):
+        log.write(record)
+    log.close()
+
+    def width(png):  # a PNG's width: bytes 16..20 of its header
+        return int.from_bytes(png.read_bytes()[16:20], "big")
+
+    one = plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss.png", title="run-a: gpt")
+    two = plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "both.png", title="run-a: classifier",
+                          loss_unit="nats/window", accuracy=True)
+    assert width(two) == 2 * width(one)

@@ -10,13 +10,13 @@ See `bigdense.checkpoint.format` for the on-disk layout.
 """
 from .background import SaveHandle, wait_for_checkpoints
 from .dense import export_dense, load_dense_state_dict
-from .format import CheckpointError
+from .format import CheckpointError, CheckpointMismatch
 from .load import CheckpointInfo, load_checkpoint
 from .save import save_checkpoint
 
 __all__ = [
     "save_checkpoint", "load_checkpoint", "SaveHandle", "wait_for_checkpoints", "CheckpointInfo", "CheckpointError",
-    "export_dense", "load_dense_state_dict",
+    "CheckpointMismatch", "export_dense", "load_dense_state_dict",
 ]
 
 _MOVED = {"parallelize": "bigdense.parallelize", "plan_parallelism": "bigdense.parallelize", "tp_plan": "bigdense.parallelize",

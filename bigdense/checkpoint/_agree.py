@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from .format import CheckpointError
+from .format import CheckpointError, CheckpointMismatch
 
 
 def world_size(group=None) -> int:
@@ -46,25 +46,28 @@ def agree(what: str, fn: Callable[[], Any], *, gather: bool = False, group=None)
     """Run ``fn()`` here; raise on every rank if it raised on any.
 
     Returns ``fn()``'s result, or with ``gather=True`` every rank's result in rank order (the
-    results travel with the error strings, in the same collective, over ``group``).
+    results travel with the error strings, in the same collective, over ``group``). The error is
+    the first failing rank's; a `CheckpointMismatch` stays one on every rank. When every rank
+    failed with the same message, the message does not name ranks.
     """
     local: Optional[BaseException] = None
-    message = None
+    message = mismatch = None
     result = None
     try:
         result = fn()
     except CheckpointError as exc:
-        local, message = exc, str(exc)
+        local, message, mismatch = exc, str(exc), isinstance(exc, CheckpointMismatch)
     except Exception as exc:  # noqa: BLE001 - an unexpected failure must reach the other ranks too
         local = exc
         message = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    exchanged = all_gather_objects((message, result if gather else None), group)
-    messages = [m for m, _ in exchanged]
-    failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
+    exchanged = all_gather_objects((message, mismatch, result if gather else None), group)
+    failed = [(rank, m, kind) for rank, (m, kind, _) in enumerate(exchanged) if m is not None]
     if failed:
-        first_rank, first_message = failed[0]
-        others = [rank for rank, _ in failed[1:]]
+        first_rank, first_message, first_mismatch = failed[0]
+        others = [rank for rank, _, _ in failed[1:]]
         also = f" (ranks {others} failed too)" if others else ""
-        where = f" on rank {first_rank} of {len(messages)}{also}" if len(messages) > 1 else ""
-        raise CheckpointError(f"{what} failed{where}: {first_message}") from local
-    return [r for _, r in exchanged] if gather else result
+        alike = len(failed) == len(exchanged) and len({m for _, m, _ in failed}) == 1
+        where = f" on rank {first_rank} of {len(exchanged)}{also}" if len(exchanged) > 1 and not alike else ""
+        error = CheckpointMismatch if first_mismatch else CheckpointError
+        raise error(f"{what} failed{where}: {first_message}") from local
+    return [r for _, _, r in exchanged] if gather else result

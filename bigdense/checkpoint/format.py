@@ -38,6 +38,7 @@ FORMAT_VERSION = 2  # 2: files may be per (TP, DP) rank; checksums are tagged ``
 MANIFEST = "manifest.json"
 COMMON = "common.pt"
 LATEST = "latest"
+RUN_CHECKPOINTS = "checkpoints"  # a training run directory keeps its checkpoints (and `latest`) here
 
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -49,6 +50,11 @@ _FROM_CODE = {code: dtype for dtype, code in _DTYPES.items()}
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; the message names the file and the tensor."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """A complete, readable checkpoint of another model: a tensor is missing, extra, or of another
+    global shape. Whoever chose the checkpoint can say what to do (`bigdense.jobs`)."""
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -216,11 +222,13 @@ class SafetensorsReader:
 def resolve_checkpoint(path) -> Path:
     """The checkpoint directory ``path`` names: the directory itself, or what a ``latest`` pointer says.
 
-    ``path`` may be a checkpoint directory, a pointer file (``runs/x/latest``) or a directory of
-    checkpoints that holds a ``latest`` pointer (``runs/x``).
+    ``path`` may be a checkpoint directory, a pointer file (``runs/x/checkpoints/latest``), a
+    directory of checkpoints that holds a ``latest`` pointer (``runs/x/checkpoints``), or a training
+    run directory (``runs/x``: its ``checkpoints/``).
     """
     path = Path(path)
     rolled_forward = None
+    path = _run_checkpoints(path)
     if path.is_dir() and not (path / MANIFEST).exists() and (path / LATEST).is_file():
         path = path / LATEST
     if not path.exists():
@@ -242,11 +250,33 @@ def resolve_checkpoint(path) -> Path:
     if path.name.startswith(".") and (".tmp-" in path.name or ".old-" in path.name) and path != rolled_forward:
         raise CheckpointError(f"{path} is the temporary directory of an unfinished save, not a checkpoint")
     if not (path / MANIFEST).is_file():
-        raise CheckpointError(
-            f"{path} is not a complete bigdense checkpoint: it has no {MANIFEST} "
-            f"(an interrupted save leaves such a directory; load an earlier checkpoint or `latest`)"
-        )
+        raise CheckpointError(_not_a_checkpoint(path))
     return path
+
+
+def _run_checkpoints(path: Path) -> Path:
+    """A run directory's ``checkpoints/`` (refused when it holds no complete checkpoint yet); any
+    other path as it is."""
+    inner = path / RUN_CHECKPOINTS
+    if not path.is_dir() or (path / MANIFEST).exists() or (path / LATEST).exists() or not inner.is_dir():
+        return path
+    if not (inner / LATEST).is_file():
+        raise CheckpointError(f"{path} is a run directory, but {inner} holds no complete checkpoint yet "
+                              f"(no `{LATEST}` pointer: the run saved none, or was stopped during its first save)")
+    return inner
+
+
+def _not_a_checkpoint(path: Path) -> str:
+    """Why a directory without a manifest is no checkpoint, and what to give instead."""
+    saved = sorted(p.name for p in path.glob("step_*") if (p / MANIFEST).is_file())
+    if saved:
+        return (f"{path} holds checkpoints but no `{LATEST}` pointer; name one of them, e.g. {path / saved[-1]}")
+    if any(path.glob("*.safetensors")) or any(path.glob("rank*.pt")):
+        return (f"{path} is not a complete bigdense checkpoint: it has no {MANIFEST} (an interrupted save "
+                f"leaves such a directory; load an earlier checkpoint or `{LATEST}`)")
+    return (f"{path} is not a bigdense checkpoint (no {MANIFEST}); give a checkpoint directory "
+            f"(RUN/{RUN_CHECKPOINTS}/step_0000100), a run's {RUN_CHECKPOINTS}/ or its `{LATEST}`, or the run "
+            f"directory itself")
 
 
 def swapped_out_checkpoint(final: Path) -> Optional[Path]:

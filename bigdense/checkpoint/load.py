@@ -21,8 +21,8 @@ import torch
 from ._agree import agree
 from .boxes import box_overlap, narrow_box, volume
 from .format import (
-    COMMON, CheckpointError, SafetensorsReader, check_files, dtype_from_code, load_pickled, rank_file_name,
-    read_manifest, resolve_checkpoint,
+    COMMON, CheckpointError, CheckpointMismatch, SafetensorsReader, check_files, dtype_from_code, load_pickled,
+    rank_file_name, read_manifest, resolve_checkpoint,
 )
 from .adapters import resolve_optimizer
 from .optimizer import OptimizerAdapter, check_optimizer_groups
@@ -206,7 +206,7 @@ def _match_model(ckpt: Path, manifest: dict, model_state: ModelState, strict: bo
             missing.append(name)
             continue
         if list(piece.global_shape) != tensors[key]["global_shape"]:
-            raise CheckpointError(
+            raise CheckpointMismatch(
                 f"{ckpt}: tensor {name!r} has global shape {tensors[key]['global_shape']} in the checkpoint but "
                 f"{list(piece.global_shape)} in the model (a checkpoint of another model?)"
             )
@@ -214,7 +214,7 @@ def _match_model(ckpt: Path, manifest: dict, model_state: ModelState, strict: bo
     wanted = {f"model/{aliases.get(n, n)}" for n in [*model_state.pieces, *model_state.aliases]}
     unexpected = sorted(k[len("model/"):] for k in tensors if k.startswith("model/") and k not in wanted)
     if strict and (missing or unexpected):
-        raise CheckpointError(
+        raise CheckpointMismatch(
             f"{ckpt} does not match the model (a checkpoint of another model?): "
             f"missing from the checkpoint {missing[:8]}, not in the model {unexpected[:8]}"
         )

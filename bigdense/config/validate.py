@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from ..checkpoint.format import CheckpointError, resolve_checkpoint
 from ..data.prepare import check_data
 from ..errors import ConfigError, check_choice, check_positive
 from ..layers.head.modes import SHARD_MODES
@@ -67,16 +68,26 @@ def validate(cfg, world_size: int, device_type: str) -> ParallelDims:
     for path, rank in (low_rank or {}).items():
         check_positive(f"model.low_rank[{path}]", rank)
     check_checkpointing(cfg.trainer)
-    init_from = getattr(cfg.trainer, "init_from", None)
-    if init_from and not os.path.exists(os.path.expanduser(str(init_from))):
-        raise ConfigError(f"trainer.init_from={init_from!r} does not exist")
+    _check_init_from(getattr(cfg.trainer, "init_from", None))
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
 
     dims = ParallelDims.resolve(cfg.parallel.tp, cfg.parallel.dp, world_size)
-    check_heads(m.d_model, m.n_heads, dims.tp, key="model.", tp_key="parallel.tp")
+    check_heads(m.d_model, m.n_heads, dims.tp, key="model.", tp_key="parallel.tp", world_size=world_size)
     _validate_head(cfg)
     return dims
+
+
+def _check_init_from(init_from) -> None:
+    """``trainer.init_from`` names a complete checkpoint (a run directory or its checkpoints/ will do)."""
+    if not init_from:
+        return
+    if not os.path.exists(os.path.expanduser(str(init_from))):
+        raise ConfigError(f"trainer.init_from={init_from!r} does not exist")
+    try:
+        resolve_checkpoint(os.path.expanduser(str(init_from)))
+    except CheckpointError as err:
+        raise ConfigError(f"trainer.init_from={init_from!r}: {err}") from None
 
 
 def _validate_head(cfg) -> None:

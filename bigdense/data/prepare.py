@@ -132,16 +132,18 @@ def _everywhere(selected: bool, fn: Callable[[], None], rank: int) -> None:
         raise error
 
 
-# Rough cost of a first build (BPE training plus encoding) per MB of text on one CPU core, only to
-# tell a person how long the silence before the first step will last; docs/performance.md has measurements.
-BUILD_S_PER_MB = 1.0
+# The cost of a first build (BPE training plus encoding) per MB of text, seen from a quiet 2-core
+# machine to a loaded one (0.6-1.6 s/MB for the 24 MB default), only to tell a person how long the
+# silence before the first step will last; docs/performance.md has measurements.
+BUILD_S_PER_MB = (0.5, 2.0)
 
 
 def announce_build(files, vocab_size: int, path: Path) -> None:
     mb = sum(f.take for f in files) / 2**20
+    low, high = (max(2.0, rate * mb) for rate in BUILD_S_PER_MB)
     log.info("data: first use of this corpus: training a %d-entry byte-level BPE vocabulary on %.1f MB of text "
-             "(%d files) and tokenizing it into %s; this usually takes about %.0f s (cached afterwards)",
-             vocab_size, mb, len(files), path, max(5.0, BUILD_S_PER_MB * mb))
+             "(%d files) and tokenizing it into %s; this takes %.0f-%.0f s, depending on the machine (cached "
+             "afterwards)", vocab_size, mb, len(files), path, low, high)
 
 
 def prepare_data(cfg, ctx=None, *, seed: int = 0) -> Data:

@@ -47,6 +47,16 @@ class StepLoop:
         self.window = StepWindow()
         self.explicit_checks = os.environ.get("BIGDENSE_CHECKS") is not None  # the user's word wins
 
+    @property
+    def trained(self) -> bool:
+        """Whether this launch has steps to train (a resume at ``max_steps`` has none)."""
+        return self.start_step < self.tr.max_steps
+
+    @property
+    def resumed(self) -> bool:
+        """Whether this launch continues a run from one of its checkpoints."""
+        return 0 < self.start_step < self.tr.max_steps
+
     def __iter__(self):
         tr = self.tr
         while self.step < tr.max_steps:
@@ -86,6 +96,6 @@ class StepLoop:
 
     def finish(self) -> None:
         """The final checkpoint (unless the run had nothing to train), and waiting for it."""
-        if self.start_step < self.tr.max_steps:
+        if self.trained:
             self.ckpts.save(self.tr.max_steps, self.data_offset)
         self.ckpts.settle()

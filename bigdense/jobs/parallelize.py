@@ -22,11 +22,12 @@ from typing import Optional
 
 import torch.nn as nn
 
-from ..checkpoint import load_checkpoint
+from ..checkpoint import CheckpointMismatch, load_checkpoint
 from ..errors import ConfigError
 from ..layers.base import TensorParallelModule
 from ..parallel.context import ParallelContext
 from ..parallelize import parallelize
+from ..train.checkpointing import model_changes
 from ..train.compile import compile_blocks
 from ..train.engines import Engine, EngineSettings, build_engine
 from ..train.recompute import apply_recompute
@@ -51,8 +52,8 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext, cfg, *, init_from:
     if not _is_sharded(model) and ctx.tp_size > 1:
         model = parallelize(model, tp_group=ctx.tp_group)
     if init_from:
-        meta = load_checkpoint(init_from, model, load_rng=False)
-        log.info("model weights from %s (saved at step %s)", init_from, meta.step)
+        meta = _load_starting_weights(init_from, model, cfg)
+        log.info("model weights from %s (saved at step %s)", meta.path, meta.step)
     blocks = getattr(model, "blocks", None)
     if blocks is None and (cfg.trainer.compile or cfg.recompute.mode != "none"):
         raise ConfigError(f"trainer.compile and recompute.mode act on a model's transformer blocks (its `blocks`); "
@@ -62,6 +63,18 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext, cfg, *, init_from:
     if blocks is not None:
         apply_recompute(blocks, cfg.recompute)
     return Parallelized(model, build_engine(model, ctx, EngineSettings.from_run_config(cfg)) if engine else None)
+
+
+def _load_starting_weights(init_from: str, model: nn.Module, cfg):
+    """``trainer.init_from``'s model weights into ``model``; a checkpoint of another model is named
+    with what differs (`model_changes`)."""
+    try:
+        return load_checkpoint(init_from, model, load_rng=False)
+    except CheckpointMismatch as err:
+        changes = model_changes(init_from, cfg)
+        raise CheckpointMismatch(
+            f"trainer.init_from={init_from} holds another model's weights: {changes or err}. Build the model it "
+            f"was saved from (its model.* keys, recorded in its manifest.json)") from err
 
 
 def _is_sharded(model: nn.Module) -> bool:

@@ -1,9 +1,11 @@
 """Starting a run, for both launchers: the config checked on every rank, the mesh built from the
 `ParallelDims` that check resolved (once per launch), every generator seeded, the run directory
-agreed on; and a bad config reported once per launch (`stop`, `HeldStderr`)."""
+agreed on, the structure of a starting checkpoint adopted; and a message that ends a launch
+reported once, last (`stop`, `tell_launcher`, `HeldStderr`)."""
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import random
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.format import RUN_CHECKPOINTS, read_manifest, resolve_checkpoint
 from ..config import validate
 from ..parallel.context import ParallelContext, init_parallel
 from ..train.faults import require_writable
@@ -30,7 +33,27 @@ class Run:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.run_dir / "checkpoints"
+        return self.run_dir / RUN_CHECKPOINTS
+
+    def label(self, cfg) -> str:
+        """The run's name, model and layout, for a plot's title:
+        ``"gpt-a: gpt d=256 x 4 layers, tp=2 x dp=1, fp32, ddp"``."""
+        m = cfg.model
+        return (f"{self.run_dir.name}: {m.name} d={m.d_model} x {m.n_layers} layers, tp={self.ctx.tp_size} x "
+                f"dp={self.ctx.dp_size}, {cfg.precision.dtype}, {cfg.engine.kind}")
+
+    def describe_outputs(self, files, tensorboard_dir=None) -> str:
+        """What the run directory holds at the end: ``files`` written, the checkpoints (how many,
+        how big: a short run's final one alone holds the model and its AdamW state), TensorBoard's
+        event files."""
+        saved = sorted(p for p in self.checkpoint_dir.glob("step_*") if p.is_dir())
+        size = sum(f.stat().st_size for p in saved for f in p.rglob("*") if f.is_file())
+        lines = [f"run directory {self.run_dir}:", "  " + ", ".join(Path(f).name for f in files if f),
+                 f"  {RUN_CHECKPOINTS}/: {len(saved)} checkpoint(s), {size / 1e6:,.0f} MB "
+                 f"(trainer.keep_last=N keeps the newest N; trainer.save_interval=0 saves only the last)"]
+        if tensorboard_dir is not None:
+            lines.append(f"  {tensorboard_dir.name}/: .venv/bin/tensorboard --logdir {tensorboard_dir}")
+        return "\n".join(lines)
 
 
 def launcher_world() -> tuple[int, int]:
@@ -39,31 +62,55 @@ def launcher_world() -> tuple[int, int]:
 
 
 def stop(message: str, code: int):
-    """Print a message that every rank meets alike (a bad config) once, then exit with ``code``.
+    """Print a message that every rank meets alike (a bad config, a checkpoint that cannot be
+    loaded) once, then exit with ``code``.
 
     Rank 0 prints at once. The other ranks leave it to rank 0: torchrun stops every rank once one
     exits, so they are normally stopped while they wait, silently. One still here after that,
-    rank 0 did not meet the error (a check that depends on the machine): it says it.
+    rank 0 did not meet the error (a check that depends on the machine): it says it. Under
+    torchrun the message goes to its error file instead (`tell_launcher`), so it is printed once,
+    as the last lines of torchrun's failure summary.
     """
     rank = launcher_world()[0]
     if rank != 0:
         time.sleep(10)
-        message = message.replace("bigdense: bad config: ", f"bigdense: bad config (rank {rank}): ", 1)
-    print(message, file=sys.stderr, flush=True)
+        message = message.replace("bigdense: ", f"bigdense (rank {rank}): ", 1)
+    if not tell_launcher(message):
+        print(message, file=sys.stderr, flush=True)
     sys.exit(code)
 
 
+def tell_launcher(message: str) -> bool:
+    """Leave ``message`` in torchrun's error file for this process (``TORCHELASTIC_ERROR_FILE``);
+    whether it could (False outside torchrun).
+
+    torchrun ends a failed launch with a summary whose last entry is the first failure's
+    ``traceback``, read from that file; without one the entry only points at torchrun's docs. So the
+    message a person can act on becomes the last thing on the screen.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    record = {"message": {"message": message,
+                          "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(record, f)
+    except OSError:
+        return False
+    return True
+
+
 class HeldStderr:
-    """On ranks other than 0, holds what Hydra writes to stderr until the job starts, so its
-    composition errors go through `stop` (printed once) rather than once per rank."""
+    """Holds what Hydra writes to stderr until the job starts, so its composition errors go
+    through `stop` (printed once, last) rather than once per rank."""
 
     def __init__(self):
         self.real = sys.stderr
-        self.held = io.StringIO() if launcher_world()[0] != 0 else None
+        self.held = io.StringIO()
 
     def __enter__(self):
-        if self.held is not None:
-            sys.stderr = self.held
+        sys.stderr = self.held
         return self
 
     def release(self) -> None:
@@ -80,8 +127,8 @@ class HeldStderr:
 
 
 def start_run(cfg, hydra_output_dir: str) -> Run:
-    """Check the config, build the mesh, seed every generator, agree on the run directory and make
-    sure its checkpoints/ can be written.
+    """Check the config, build the mesh, seed every generator, agree on the run directory, make
+    sure its checkpoints/ can be written, and take a compressed starting checkpoint's structure.
 
     The config is validated on every rank before the process group exists, so a bad value stops
     all ranks at once with the same message (raised as `ConfigError`).
@@ -100,8 +147,33 @@ def start_run(cfg, hydra_output_dir: str) -> Run:
     run = Run(ctx, Path(run_dir[0]))
     require_writable(run.checkpoint_dir, ctx)  # made by rank 0; a ConfigError on every rank if it cannot be
     if not ctx.is_main:
-        logging.getLogger().setLevel(logging.WARNING)
+        quiet_console()
+    adopt_low_rank(cfg)
     return run
+
+
+def adopt_low_rank(cfg) -> None:
+    """A run starting from a compressed checkpoint (``trainer.init_from`` written by ``python -m
+    bigdense.compress``) that names no ``model.low_rank`` takes the checkpoint's: its weights are
+    those low-rank pairs, of ranks chosen from the weights. Set in the run's config before any
+    model is built, so the run's own checkpoints record it too. A ``model.low_rank`` given that
+    differs is left as given; loading then names the difference."""
+    init_from = cfg.trainer.get("init_from")
+    if not init_from or cfg.model.get("low_rank"):
+        return
+    saved = ((read_manifest(resolve_checkpoint(init_from)).get("config") or {}).get("model") or {}).get("low_rank")
+    if saved:
+        cfg.model.low_rank = dict(saved)
+        log.info("model.low_rank from trainer.init_from=%s (written by bigdense.compress): %s", init_from, dict(saved))
+
+
+def quiet_console() -> None:
+    """On ranks other than 0: what every rank logs alike (a resume, a changed schedule, skipped
+    steps) is shown once, by rank 0; this rank's console shows its errors only, and its own log
+    file (``train_rank<N>.log``) keeps everything."""
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, logging.FileHandler):
+            handler.setLevel(logging.ERROR)
 
 
 def seed_everything(seed: int) -> None:

@@ -85,16 +85,18 @@ class GPTConfig:
 
 
 def check_heads(d_model: int, n_heads: int, tp: int, *, owner: str = "", key: str = "",
-                tp_key: str = "the TP size") -> None:
+                tp_key: str = "the TP size", world_size: Optional[int] = None) -> None:
     """The attention's shape rule, for the layer and for the config alike: heads divide ``d_model``
     and ``tp`` divides the heads (each rank holds whole heads). ``key`` prefixes the model keys in
-    the message (``"model."`` for the config), ``tp_key`` names the TP size."""
+    the message (``"model."`` for the config), ``tp_key`` names the TP size; with ``world_size``
+    (a launch's process count) the advice lists only TP sizes that launch can run."""
     if d_model % n_heads:
         raise ConfigError(f"{owner}{key}n_heads={n_heads} must divide {key}d_model={d_model}")
     if n_heads % tp:
-        choices = [d for d in range(1, n_heads + 1) if n_heads % d == 0]
+        choices = [d for d in range(1, n_heads + 1) if n_heads % d == 0 and (world_size is None or world_size % d == 0)]
+        where = f" (divisors of both the heads and the {world_size} processes)" if world_size else ""
         raise ConfigError(f"{owner}{tp_key}={tp} must divide {key}n_heads={n_heads} (heads are split over TP); "
-                          f"choose tp from {choices}")
+                          f"choose {tp_key} from {choices}{where}, or {key}n_heads divisible by {tp}")
 
 
 class ParallelSelfAttention(nn.Module):

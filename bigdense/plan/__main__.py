@@ -74,7 +74,8 @@ def main(argv=None) -> int:
     if args.suggest:
         devices = suggestions[0].layout.tp * suggestions[0].layout.dp if suggestions else "?"
         print(f"\n{len(suggestions)} layouts fit {plan.device_gb:g} GiB x {devices} devices "
-              f"(fastest first; estimated step time, peak per rank):")
+              f"(fastest first; estimated step time, peak per rank; every one at precision={cfg.precision.dtype}: "
+              f"precision is not searched):")
         for rank, s in enumerate(suggestions[: plan.top], 1):
             print(f"{rank:3d}. {s.step_time_s * 1e3:9.1f} ms  {s.total_bytes / GiB:7.2f} GiB  "
                   f"torchrun launch/train.py {' '.join(s.layout.overrides())}")
@@ -83,6 +84,7 @@ def main(argv=None) -> int:
                "suggestions": [s.to_json() for s in suggestions]}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))
+        print(f"written: {args.json}")
     return 0
 
 

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from ..checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ..checkpoint import CheckpointError, CheckpointMismatch, load_checkpoint, save_checkpoint
 from ..checkpoint.format import LATEST, read_manifest, resolve_checkpoint
 from ..checkpoint.verify import VERIFY_MODES
 from ..errors import check_choice, check_positive
@@ -32,6 +32,23 @@ def check_checkpointing(tr) -> None:
     check_positive("trainer.max_bad_steps", tr.max_bad_steps, allow_zero=True)
     if tr.keep_last is not None:
         check_positive("trainer.keep_last", tr.keep_last)
+
+
+def model_changes(checkpoint, cfg) -> str:
+    """How the model a run config ``cfg`` builds differs from the one ``checkpoint`` was saved from,
+    by its recorded config: ``"model.activation='gelu' in the checkpoint, 'swiglu' here; ..."``
+    (the ``model`` group and ``data.vocab_size``); empty when it recorded none or nothing differs."""
+    from omegaconf import OmegaConf
+
+    saved = read_manifest(resolve_checkpoint(checkpoint)).get("config")
+    if not saved or cfg is None:
+        return ""
+    here = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    pairs = {f"model.{k}": (saved.get("model", {}).get(k), here["model"].get(k))
+             for k in sorted(set(saved.get("model", {})) | set(here["model"]))}
+    pairs["data.vocab_size"] = (saved.get("data", {}).get("vocab_size"), here["data"].get("vocab_size"))
+    return "; ".join(f"{key}={old!r} in the checkpoint, {new!r} here" for key, (old, new) in pairs.items()
+                     if old != new)
 
 
 class RunCheckpoints:
@@ -84,7 +101,14 @@ class RunCheckpoints:
         self.settle()
         if not (self.dir / LATEST).exists():
             return None
-        info = load_checkpoint(self.dir / LATEST, **self.engine.checkpoint_state(), verify=self.tr.checkpoint_verify)
+        try:
+            info = load_checkpoint(self.dir / LATEST, **self.engine.checkpoint_state(), verify=self.tr.checkpoint_verify)
+        except CheckpointMismatch as err:
+            raise CheckpointMismatch(
+                f"cannot resume {self.dir.parent}: its checkpoints are of another model "
+                f"({model_changes(self.dir / LATEST, self.config) or err}). To train this model, start in a new "
+                f"trainer.run_dir (or name none: a new directory per launch), or pass trainer.resume=false to "
+                f"ignore the checkpoints there") from err
         if self.config is not None:  # a larger max_steps extends the run over a schedule of the new length
             changes = follow_config(self.engine.scheduler, self.config.optim, self.tr.max_steps)
             if changes:

@@ -39,12 +39,13 @@ class MetricsLog:
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = False):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.tensorboard_dir = Path(run_dir) / "tensorboard" if tensorboard else None
         self._file = open(self.path, "a", buffering=1) if enabled else None
         self._tb = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir))
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -135,31 +136,47 @@ class DenseLayerStats:
                 for (key, *_), s, c in zip(entries, totals[0].tolist(), totals[1].tolist())}
 
 
-def plot_loss_curve(metrics_path: Path, png_path: Path) -> Optional[Path]:
-    """Train and eval loss against step, from ``metrics.jsonl``; returns the PNG's path."""
+def plot_loss_curve(metrics_path: Path, png_path: Path, *, title: str = "", loss_unit: str = "nats/token",
+                    accuracy: bool = False) -> Optional[Path]:
+    """Train and held-out loss against step, from ``metrics.jsonl``; returns the PNG's path.
+
+    ``title`` names the run (two runs' curves side by side can be told apart); ``loss_unit`` is what
+    the cross-entropy is averaged over; ``accuracy`` adds a panel of held-out top-1/top-5 accuracy
+    (records with ``top1``/``top5``). A dashed line marks each step the run resumed from (records
+    of kind ``resume``).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train, evals = [], []
-    with open(metrics_path) as f:
-        for line in f:
-            rec = json.loads(line)
-            if rec.get("kind") == "train":
-                train.append((rec["step"], rec["loss"]))
-            elif rec.get("kind") == "eval":
-                evals.append((rec["step"], rec["eval_loss"]))
+    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    resumes = sorted({r["step"] for r in records if r.get("kind") == "resume"})
     if not train:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4))
+    panels = 2 if accuracy and any("top1" in r for r in evals) else 1
+    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4), squeeze=False)
+    ax = axes[0][0]
     ax.plot(*zip(*train), label="train loss")
     if evals:
-        ax.plot(*zip(*evals), "o-", label="held-out loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out loss")
+    ax.set_ylabel(f"cross-entropy ({loss_unit})")
+    if panels == 2:
+        acc = axes[0][1]
+        scored = [r for r in evals if "top1" in r]
+        for key, label in (("top1", "top-1"), ("top5", "top-5")):
+            acc.plot([r["step"] for r in scored], [100 * r[key] for r in scored], "o-", label=f"held-out {label}")
+        acc.set_ylabel("accuracy (%)")
+    for a in axes[0]:
+        for i, step in enumerate(resumes):
+            a.axvline(step, color="grey", linestyle="--", linewidth=1, label="resumed" if i == 0 else None)
+        a.set_xlabel("step")
+        a.grid(alpha=0.3)
+        a.legend()
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     tmp = png_path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
