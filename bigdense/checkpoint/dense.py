@@ -180,9 +180,9 @@ def _apply_dense_load(plan: _DenseLoadPlan, state_dict, adapter) -> None:
     try:
         with torch.no_grad():
             for name, key in plan.sources.items():
-                piece = plan.model_state.pieces[name]
                 full = plan.reader.view(key) if plan.reader is not None else state_dict[key]
-                piece.tensor.copy_(narrow_box(full, [0] * full.dim(), piece.offsets, piece.shape))
+                for box in plan.model_state.pieces[name].boxes():
+                    box.tensor.copy_(narrow_box(full, [0] * full.dim(), box.offsets, box.shape))
     finally:
         if plan.reader is not None:
             plan.reader.close()

@@ -59,13 +59,15 @@ class _Read:
 
 @dataclass
 class _OptimTarget:
-    """A stored optimizer tensor this rank takes: state ``state_key`` of parameter ``param``."""
+    """A stored optimizer tensor this rank takes: state ``state_key`` of parameter ``param``, of
+    local ``shape``, filled box by box (``(local offsets, global offsets, shape)``; several for a
+    packed parameter)."""
 
     key: str
     param: str
     state_key: str
-    off: tuple
     shape: tuple
+    boxes: list
     dtype: torch.dtype
 
 
@@ -81,7 +83,7 @@ class LoadPlan:
     model_targets: list[tuple[str, torch.Tensor, tuple]]  # (stored key, tensor to fill, its offsets)
     optim_targets: list[_OptimTarget]
     optim_common: Optional[dict]  # the saved optimizer's groups and non-tensor state, when loading it
-    reads: dict[str, list[_Read]]
+    reads: dict[tuple[str, tuple], list[_Read]]  # by (stored key, global offsets of the box filled)
     readers: dict[str, SafetensorsReader]
     missing: list[str]
     unexpected: list[str]
@@ -176,8 +178,9 @@ def _plan(path, module, opt: Optional[OptimizerAdapter], ctx, requested: dict, s
         optim_common = common["optimizer"]
         optim_targets = _match_optimizer(manifest, optim_common, opt, model_state)
     boxes = [(key, off, tuple(t.shape)) for key, t, off in targets]
-    boxes += [(t.key, t.off, t.shape) for t in optim_targets]
-    reads = {key: _plan_reads(ckpt, key, manifest["tensors"][key], off, shape) for key, off, shape in boxes}
+    boxes += [(t.key, goff, shape) for t in optim_targets for _, goff, shape in t.boxes]
+    reads = {(key, tuple(off)): _plan_reads(ckpt, key, manifest["tensors"][key], off, shape)
+             for key, off, shape in boxes}
     plan = LoadPlan(ckpt, manifest, common, rank_state, model_state, targets, optim_targets, optim_common, reads, {},
                     missing, unexpected)
     try:
@@ -210,7 +213,7 @@ def _match_model(ckpt: Path, manifest: dict, model_state: ModelState, strict: bo
                 f"{ckpt}: tensor {name!r} has global shape {tensors[key]['global_shape']} in the checkpoint but "
                 f"{list(piece.global_shape)} in the model (a checkpoint of another model?)"
             )
-        targets.append((key, piece.tensor, piece.offsets))
+        targets += [(key, box.tensor, box.offsets) for box in piece.boxes()]
     wanted = {f"model/{aliases.get(n, n)}" for n in [*model_state.pieces, *model_state.aliases]}
     unexpected = sorted(k[len("model/"):] for k in tensors if k.startswith("model/") and k not in wanted)
     if strict and (missing or unexpected):
@@ -233,9 +236,11 @@ def _match_optimizer(manifest: dict, saved: dict, opt: OptimizerAdapter, model_s
         prefix = f"optim/{aliases.get(name, name)}/"
         for key in (k for k in tensors if k.startswith(prefix) and opt.loads_key(k[len(prefix):])):
             shape = tuple(tensors[key]["global_shape"])
-            off = param.offsets if len(shape) > 0 and shape == param.global_shape else (0,) * len(shape)
-            shape = param.shape if len(shape) > 0 and shape == param.global_shape else shape
-            targets.append(_OptimTarget(key, name, key[len(prefix):], off, shape,
+            if len(shape) > 0 and shape == param.global_shape:  # shaped like the parameter: boxed like it
+                shape, boxes = param.shape, param.to_global((0,) * len(shape), param.shape)
+            else:
+                boxes = [((0,) * len(shape), (0,) * len(shape), shape)]
+            targets.append(_OptimTarget(key, name, key[len(prefix):], shape, boxes,
                                         dtype_from_code(tensors[key]["dtype"])))
     return targets
 
@@ -263,7 +268,7 @@ def _open_and_check_headers(plan: LoadPlan) -> None:
     """Open every shard file this rank reads and check each stored shard's header dtype/shape
     against the manifest (files missing or truncated fail here too)."""
     check_files(plan.ckpt, plan.manifest, sorted({r.file for rs in plan.reads.values() for r in rs}))
-    for key, key_reads in plan.reads.items():
+    for (key, _), key_reads in plan.reads.items():
         entry = plan.manifest["tensors"][key]
         for r in key_reads:
             if r.file not in plan.readers:
@@ -280,7 +285,7 @@ def _open_and_check_headers(plan: LoadPlan) -> None:
 def _verify(plan: LoadPlan, mine: set) -> None:
     """Hash the stored shards assigned to this rank against their manifest digests."""
     done = set()
-    for key, key_reads in plan.reads.items():
+    for (key, _), key_reads in plan.reads.items():
         for r in key_reads:
             if (r.file, r.name) not in mine or (r.file, r.name) in done:
                 continue
@@ -320,7 +325,7 @@ def _copy_tensors(plan: LoadPlan) -> tuple[int, dict[str, dict[str, torch.Tensor
 
     def fill(target: torch.Tensor, target_off, key: str) -> None:
         nonlocal copied
-        for r in plan.reads[key]:
+        for r in plan.reads[key, tuple(target_off)]:
             src = narrow_box(plan.readers[r.file].view(r.name), r.src_off, r.off, r.shape)
             narrow_box(target, target_off, r.off, r.shape).copy_(src)
             copied += src.numel() * src.element_size()
@@ -330,7 +335,8 @@ def _copy_tensors(plan: LoadPlan) -> tuple[int, dict[str, dict[str, torch.Tensor
         # Scalars (step counters) stay on the CPU, where torch optimizers keep them.
         device = plan.model_state.pieces[t.param].tensor.device if len(t.shape) else "cpu"
         value = torch.empty(t.shape, dtype=t.dtype, device=device)
-        fill(value, t.off, t.key)
+        for local_off, global_off, shape in t.boxes:
+            fill(narrow_box(value, (0,) * value.dim(), local_off, shape), global_off, t.key)
         optim_tensors.setdefault(t.param, {})[t.state_key] = value
     with torch.no_grad():
         for key, tensor, off in plan.model_targets:

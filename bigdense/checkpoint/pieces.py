@@ -8,13 +8,14 @@ positional index, so the state finds its parameter at any layout and in either k
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 
 from ..parallel.sharding import ShardSpec
+from .boxes import narrow_box
 from .format import CheckpointError
 
 
@@ -26,6 +27,10 @@ class Piece:
     only TP rank 0's copy is written. ``dp_owned``: only this DP rank holds this box (a ZeRO
     partition's fragment, a shard of a tensor split over the whole mesh), so it writes it itself; other pieces are held alike by every DP replica
     of its TP rank and `writers.assign_writes` shares them out among the replicas.
+
+    ``parts``: a packed parameter's tensor is several boxes of its global tensor along
+    ``shard_dim`` (`ShardSpec.boxes`: ``(local start, global start, length)``); ``offsets`` then
+    place the other dims. `boxes` gives the piece as single-box pieces, which is how it is stored.
     """
 
     key: str  # "model/<name>" or "optim/<param name>/<state key>"
@@ -35,10 +40,38 @@ class Piece:
     sharded: bool
     shard_dim: Optional[int] = None
     dp_owned: bool = False
+    parts: tuple[tuple[int, int, int], ...] = ()
+    split: bool = False  # one of several boxes of its tensor that this rank stores (named with its offsets)
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.tensor.shape)
+
+    def to_global(self, local_off, shape) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        """``(local offsets, global offsets, shape)`` of the global boxes that the box
+        ``local_off``/``shape`` of this piece's tensor covers (several when it crosses packed parts)."""
+        if not self.parts:
+            return [(tuple(local_off), tuple(o + g for o, g in zip(local_off, self.offsets)), tuple(shape))]
+        d, out = self.shard_dim, []
+        for local_start, global_start, length in self.parts:
+            lo, hi = max(local_off[d], local_start), min(local_off[d] + shape[d], local_start + length)
+            if hi > lo:
+                loff, goff, box = list(local_off), [o + g for o, g in zip(local_off, self.offsets)], list(shape)
+                loff[d], goff[d], box[d] = lo, global_start + lo - local_start, hi - lo
+                out.append((tuple(loff), tuple(goff), tuple(box)))
+        return out
+
+    def boxes(self) -> list["Piece"]:
+        """This piece as single-box pieces over views of its tensor (itself when it has no parts)."""
+        if not self.parts:
+            return [self]
+        zero = (0,) * self.tensor.dim()
+        return [replace(self, tensor=narrow_box(self.tensor, zero, loff, shape), offsets=goff, parts=(), split=True)
+                for loff, goff, shape in self.to_global(zero, self.shape)]
+
+    def like(self, key: str, tensor: torch.Tensor) -> "Piece":
+        """A tensor of this piece's local shape (an Adam moment of its parameter), boxed the same way."""
+        return replace(self, key=key, tensor=tensor, split=False)
 
 
 @dataclass
@@ -79,8 +112,9 @@ def collect_shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
 
 
 def _box_of(name: str, tensor: torch.Tensor, spec: Optional[ShardSpec], tp_rank: int, tp_size: int):
+    """``(global shape, offsets, parts)`` of a model tensor (see `Piece`)."""
     if spec is None:
-        return tuple(tensor.shape), (0,) * tensor.dim()
+        return tuple(tensor.shape), (0,) * tensor.dim(), ()
     if spec.group == "tp" and (len(spec.sizes) != tp_size or spec.rank != tp_rank):
         raise CheckpointError(
             f"parameter {name!r} is sharded over a TP group of {len(spec.sizes)} ranks (rank {spec.rank}), "
@@ -91,8 +125,10 @@ def _box_of(name: str, tensor: torch.Tensor, spec: Optional[ShardSpec], tp_rank:
             f"parameter {name!r} has local shape {tuple(tensor.shape)}, but its layer reports {spec.local_shape}"
         )
     offsets = [0] * tensor.dim()
-    offsets[spec.dim] = spec.start
-    return spec.global_shape, tuple(offsets)
+    if spec.parts == 1:
+        offsets[spec.dim] = spec.start
+        return spec.global_shape, tuple(offsets), ()
+    return spec.global_shape, tuple(offsets), tuple(spec.boxes())
 
 
 def model_pieces(module: nn.Module, tp_rank: int, tp_size: int) -> ModelState:
@@ -108,10 +144,11 @@ def model_pieces(module: nn.Module, tp_rank: int, tp_size: int) -> ModelState:
             continue
         canonical[id(value)] = name
         spec = specs.get(name)
-        global_shape, offsets = _box_of(name, value, spec, tp_rank, tp_size)
+        global_shape, offsets, parts = _box_of(name, value, spec, tp_rank, tp_size)
         # A tensor split over the whole mesh (shard spec group "world") has no DP replicas: each rank writes its box.
         pieces[name] = Piece(f"model/{name}", value.detach(), tuple(global_shape), offsets, spec is not None,
-                             None if spec is None else spec.dim, dp_owned=spec is not None and spec.group == "world")
+                             None if spec is None else spec.dim, dp_owned=spec is not None and spec.group == "world",
+                             parts=parts)
     return ModelState(pieces, aliases, canonical, non_tensor)
 
 
@@ -128,8 +165,7 @@ def optimizer_state_piece(model: ModelState, name: str, key: str, value: torch.T
     """A per-parameter optimizer tensor as a box: shaped like the parameter -> sharded like it."""
     param_piece = model.pieces[name]
     if value.dim() > 0 and tuple(value.shape) == param_piece.shape:
-        return Piece(f"optim/{name}/{key}", value.detach(), param_piece.global_shape, param_piece.offsets,
-                     param_piece.sharded, param_piece.shard_dim, param_piece.dp_owned)
+        return param_piece.like(f"optim/{name}/{key}", value.detach())
     if param_piece.sharded and value.dim() > 0:
         raise CheckpointError(
             f"optimizer state {key!r} of sharded parameter {name!r} has shape {tuple(value.shape)}, neither the "

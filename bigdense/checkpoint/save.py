@@ -164,7 +164,8 @@ def _prepare(plan: SavePlan, copy: bool) -> Snapshot:
     common_blob = _common_blob(plan, model_state) if ctx.rank == 0 else None
     if ctx.rank == 0:
         _make_tmp(plan)
-    mine = [assign_writes(p, ctx.tp_rank, ctx.dp_rank, ctx.dp_size) for p in (model_state.pieces.values(), optim_pieces)]
+    stored = [[box for p in pieces for box in p.boxes()] for pieces in (model_state.pieces.values(), optim_pieces)]
+    mine = [assign_writes(p, ctx.tp_rank, ctx.dp_rank, ctx.dp_size) for p in stored]
     snapshot = Snapshot(mine[0], mine[1], rank_blob, common_blob, model_state.aliases)
     return background.copy_to_host(snapshot) if copy else snapshot
 

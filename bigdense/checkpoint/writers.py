@@ -32,6 +32,7 @@ def assign_writes(pieces: list[Piece], tp_rank: int, dp_rank: int, dp_size: int)
 
 def name_in_file(piece: Piece) -> str:
     """The tensor's name inside its safetensors file: ``mlp.up.weight``, ``mlp.up.weight/exp_avg``;
-    a fragment (several per tensor in one file) also carries its offsets: ``...@0,128``."""
+    a fragment or a packed parameter's box (several per tensor in one file) also carries its
+    offsets: ``...@0,128``."""
     name = piece.key.split("/", 1)[1]
-    return f"{name}@{','.join(map(str, piece.offsets))}" if piece.dp_owned else name
+    return f"{name}@{','.join(map(str, piece.offsets))}" if piece.dp_owned or piece.split else name

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from . import ds_state
-from .boxes import flat_range_boxes
+from .boxes import flat_range_boxes, narrow_box
 from .optimizer import FP32_MASTER, OptimizerAdapter, TorchOptimizerState, saved_groups_without_params
 from .pieces import ModelState, Piece, optimizer_state_piece, param_name
 
@@ -75,9 +75,9 @@ class ZeroOptimizerState(OptimizerAdapter):
             fragment = flat.detach().narrow(0, hp_start, numel)
             for off, shape, flat_start in flat_range_boxes(param.shape, start, start + numel):
                 box = fragment.narrow(0, flat_start - start, torch.Size(shape).numel()).view(shape)
-                global_off = tuple(o + g for o, g in zip(off, param.offsets))
-                out.append(Piece(f"optim/{name}/{key}", box, param.global_shape, global_off, param.sharded,
-                                 param.shard_dim, dp_owned=True))
+                for local_off, global_off, part in param.to_global(off, shape):  # several for a packed parameter
+                    out.append(Piece(f"optim/{name}/{key}", narrow_box(box, off, local_off, part), param.global_shape,
+                                     global_off, param.sharded, param.shard_dim, dp_owned=True))
         return out
 
     def load(self, model: ModelState, common: Optional[dict], tensors: dict[str, dict[str, torch.Tensor]]) -> None:

@@ -32,11 +32,12 @@ class TensorParallelModule(nn.Module):
         # Seeds are drawn at construction, so a layer built on the meta device and materialised
         # later (`bigdense.materialize`) gets exactly the values an eager build would have.
         self._weight_seed = draw_seed()
-        self._shards: dict[str, tuple[tuple[int, ...], int]] = {}
+        self._shards: dict[str, tuple[tuple[int, ...], int, int]] = {}  # name -> (global shape, dim, packed)
 
-    def _declare_shard(self, name: str, global_shape, dim: int) -> None:
-        """Parameter ``name`` is this rank's balanced slice of ``global_shape`` along ``dim``."""
-        self._shards[name] = (tuple(int(s) for s in global_shape), dim)
+    def _declare_shard(self, name: str, global_shape, dim: int, packed: int = 1) -> None:
+        """Parameter ``name`` is this rank's balanced slice of ``global_shape`` along ``dim`` (of
+        each of its ``packed`` blocks along ``dim``: see `ShardSpec`)."""
+        self._shards[name] = (tuple(int(s) for s in global_shape), dim, packed)
         mark_sharded(getattr(self, name), self.shard_spec(name))
 
     def _apply(self, fn, recurse=True):
@@ -51,8 +52,8 @@ class TensorParallelModule(nn.Module):
         """Where parameter ``name`` sits in its global tensor; ``None`` if it is replicated over TP."""
         if name not in self._shards:
             return None
-        shape, dim = self._shards[name]
-        return ShardSpec.balanced(shape, dim, self.tp_size, self.tp_rank)
+        shape, dim, packed = self._shards[name]
+        return ShardSpec.balanced(shape, dim, self.tp_size, self.tp_rank, packed)
 
     def bd_shard_specs(self) -> dict[str, ShardSpec]:
         """``{parameter name: ShardSpec}`` for this module's own sharded parameters."""
@@ -64,7 +65,9 @@ class TensorParallelModule(nn.Module):
         spec = self.shard_spec(name)
         if spec is None:
             return param.clone()
-        return comm.all_gather_dim(param, spec.dim, self.tp_group, spec.sizes)
+        local = [n * spec.parts for n in spec.sizes]
+        gathered = comm.all_gather_dim(param, spec.dim, self.tp_group, local)
+        return gathered if spec.parts == 1 else spec.assemble(list(gathered.split(local, spec.dim)))
 
     # ---- input validation: errors name the layer, what was expected and what came ----
     def _where(self) -> str:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..parallel.regions import (
     ColumnComm, column_parallel_linear, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp,
 )
-from ..parallel.partial_grads import on_sequence_shares
+from ..parallel.partial_grads import with_partial_grad
 from ..parallel.sharding import shard_range, shard_sizes
 from ..errors import check_positive_int
 from .base import TensorParallelModule, check_from_dense
@@ -248,5 +248,5 @@ class RowParallelLinear(_ParallelLinear):
         else:
             # Each rank adds the bias to its share only: its gradient is partial over TP.
             y = reduce_scatter_to_sequence(y, self.tp_group)
-            bias = None if self.bias is None else on_sequence_shares(self.bias, self.tp_group)
+            bias = None if self.bias is None else with_partial_grad(self.bias, self.tp_group)
         return y if bias is None else y + bias.to(y.dtype)

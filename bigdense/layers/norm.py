@@ -2,7 +2,7 @@
 
 Under sequence parallelism each TP rank normalises its own share of the sequence, so the
 gradient of the (replicated) weight and bias on one rank is a partial sum. These layers pass their
-parameters through `partial_grads.on_sequence_shares` (forward identity, backward all-reduce over
+parameters through `partial_grads.with_partial_grad` (forward identity, backward all-reduce over
 TP), so after ``backward()`` every rank holds the full gradient, exactly as without sequence
 parallelism, and clipping, optimizers and checkpoints treat them as ordinary replicated
 parameters (a training engine may defer that sum to one all-reduce per step: `partial_grads`). State-dict
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..parallel import comm
 from ..parallel.context import resolve_tp_group
-from ..parallel.partial_grads import on_sequence_shares
+from ..parallel.partial_grads import with_partial_grad
 
 
 class _SequenceParallelNorm:
@@ -30,7 +30,7 @@ class _SequenceParallelNorm:
         params = (self.weight, getattr(self, "bias", None))
         if not self.sequence_parallel:
             return params
-        return tuple(None if p is None else on_sequence_shares(p, self.tp_group) for p in params)
+        return tuple(None if p is None else with_partial_grad(p, self.tp_group) for p in params)
 
     def bd_partial_grad_params(self) -> list:
         """The parameters whose gradient is partial over TP (`bigdense.parallel.partial_grads`)."""

@@ -1,9 +1,11 @@
-"""Gradients that sequence parallelism leaves partial over TP, and where they are summed.
+"""Gradients left partial over TP, and where they are summed.
 
-Under sequence parallelism a parameter replicated over TP but applied to this rank's share of the
-sequence (a norm's weight and bias, a row layer's bias) gets a partial gradient on each TP rank.
-By default its layer sums it inside ``backward()`` (`copy_to_tp`: one all-reduce per parameter per
-backward), so afterwards every rank holds the full gradient, as without sequence parallelism.
+A parameter replicated over TP but applied to this rank's share of something TP splits gets a
+partial gradient on each TP rank: under sequence parallelism, a norm's weight and bias or a row
+layer's bias (applied to this rank's share of the sequence); in a converted model, a per-head norm
+that sees this rank's heads only (Qwen3's ``q_norm``). By default its layer sums it inside
+``backward()`` (`with_partial_grad`, through `copy_to_tp`: one all-reduce per parameter per
+backward), so afterwards every rank holds the full gradient.
 
 A training engine that owns the whole step can do what Megatron-LM does instead: inside
 `deferred_partial_grad_sums()` the layers leave these gradients partial (they accumulate over the
@@ -31,9 +33,10 @@ from .regions import copy_to_tp
 _deferring = False  # a module global, not thread-local: autograd runs recomputes on its own threads
 
 
-def on_sequence_shares(param: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
-    """``param`` as used by a layer that applies it to this rank's share of the sequence: its
-    gradient summed over TP in backward, or left partial inside `deferred_partial_grad_sums`."""
+def with_partial_grad(param: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
+    """``param`` as used by a layer that applies it to this rank's share (of the sequence, of the
+    heads): its gradient summed over TP in backward, or left partial inside
+    `deferred_partial_grad_sums`."""
     if _deferring or comm.group_size(group) == 1:
         return param
     return copy_to_tp(param, group)

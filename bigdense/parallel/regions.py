@@ -10,7 +10,10 @@ sum) and scatter/gather (enter and leave a region where each rank holds a slice 
 Sequence parallelism adds the pairs along the sequence dimension (``SEQ_DIM``, the second-to-last
 of ``(*, seq, hidden)``), where each rank holds its balanced share of the sequence between TP
 regions: gather-from-sequence (all-gather forward, reduce-scatter backward) enters a region,
-reduce-scatter-to-sequence (reduce-scatter forward, all-gather backward) leaves it. The column
+reduce-scatter-to-sequence (reduce-scatter forward, all-gather backward) leaves it. A module that
+works per token on a replicated sequence can run on this rank's share alone: scatter-to-sequence
+(split forward, all-gather backward) and gather-sequence-shares (all-gather forward, split
+backward) around it. The column
 projection fuses its entry with its matmul (`column_parallel_linear`) so that the gathered input
 is never saved and its backward collectives overlap the weight-gradient GEMM.
 
@@ -175,6 +178,22 @@ class _ScatterToSequence(torch.autograd.Function):
         return comm.all_gather_dim(grad.contiguous(), SEQ_DIM, ctx.group, ctx.sizes), None, None
 
 
+class _GatherSequenceShares(torch.autograd.Function):
+    """forward: all-gather along the sequence dim (every rank's share, uneven allowed); backward:
+    split, keep own share. The conjugate of `_ScatterToSequence`: for a module that works on this
+    rank's share of a replicated sequence and hands the whole sequence back (the gradient that
+    comes back is replicated, so nothing is summed)."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes):
+        ctx.group, ctx.sizes = group, sizes
+        return comm.all_gather_dim(x, SEQ_DIM, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.split_dim(grad, SEQ_DIM, ctx.group, ctx.sizes), None, None
+
+
 def _balanced(x: torch.Tensor, group) -> tuple[int, ...]:
     return tuple(shard_sizes(x.shape[SEQ_DIM], comm.group_size(group)))
 
@@ -204,6 +223,19 @@ def scatter_to_sequence(
 ) -> torch.Tensor:
     """``(*, S, d)`` replicated -> ``(*, S_local, d)``: this rank's share of the sequence."""
     return x if _single(group) else schedule.tag(_ScatterToSequence.apply(x, group, _sizes(sizes)))
+
+
+def gather_sequence_shares(
+    x: torch.Tensor, group: Optional[comm.ProcessGroup], sizes: Optional[Sequence[int]] = None
+) -> torch.Tensor:
+    """``(*, S_local, d)`` -> ``(*, S, d)`` replicated, after `scatter_to_sequence`: every rank's
+    share in rank order; the backward keeps this rank's share of the (replicated) gradient.
+    ``sizes``: every rank's ``S_local`` (exchanged when omitted)."""
+    if _single(group):
+        return x
+    if sizes is None:
+        sizes = comm.all_gather_sizes(x.shape[SEQ_DIM], group, x.device)
+    return schedule.tag(_GatherSequenceShares.apply(x, group, _sizes(sizes)))
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,10 @@ class ShardSpec:
     which group that is: ``"tp"`` (the TP group; DP ranks hold replicas) or ``"world"`` (every rank
     of the TP x DP mesh, ``rank`` being the world rank ``dp_rank * tp + tp_rank``; no replicas, so
     data parallelism must not reduce it).
+
+    ``parts`` > 1: ``dim`` packs that many equal blocks (a fused ``[gate; up]`` projection), each
+    split over the ranks on its own by ``sizes``; this rank's tensor is its slice of every block,
+    concatenated in block order (`boxes`), so it is not one slice of the global tensor.
     """
 
     dim: int
@@ -51,9 +55,11 @@ class ShardSpec:
     sizes: tuple[int, ...]
     rank: int
     group: str = "tp"
+    parts: int = 1
 
     @property
     def start(self) -> int:
+        """Where this rank's slice starts within each block (within the tensor when ``parts`` is 1)."""
         return sum(self.sizes[: self.rank])
 
     @property
@@ -61,19 +67,42 @@ class ShardSpec:
         return self.start + self.sizes[self.rank]
 
     @property
+    def block(self) -> int:
+        """The length of one packed block along ``dim`` (the whole length when ``parts`` is 1)."""
+        return self.global_shape[self.dim] // self.parts
+
+    @property
     def local_shape(self) -> tuple[int, ...]:
         shape = list(self.global_shape)
-        shape[self.dim] = self.sizes[self.rank]
+        shape[self.dim] = self.sizes[self.rank] * self.parts
         return tuple(shape)
 
+    def boxes(self) -> list[tuple[int, int, int]]:
+        """``(local start, global start, length)`` along ``dim`` of each slice this rank holds."""
+        n = self.sizes[self.rank]
+        return [(j * n, j * self.block + self.start, n) for j in range(self.parts)]
+
     def slice_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the full tensor (a view)."""
-        return full.narrow(self.dim, self.start, self.sizes[self.rank])
+        """This rank's slice of the full tensor (a view when ``parts`` is 1)."""
+        if self.parts == 1:
+            return full.narrow(self.dim, self.start, self.sizes[self.rank])
+        return torch.cat([full.narrow(self.dim, g, n) for _, g, n in self.boxes()], self.dim)
+
+    def assemble(self, every_rank: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's local tensor, in rank order (the inverse of `slice_of`)."""
+        if self.parts == 1:
+            return torch.cat(every_rank, self.dim)
+        blocks = [[t.narrow(self.dim, j * n, n) for t, n in zip(every_rank, self.sizes)] for j in range(self.parts)]
+        return torch.cat([piece for block in blocks for piece in block], self.dim)
 
     @classmethod
-    def balanced(cls, global_shape, dim: int, parts: int, rank: int) -> "ShardSpec":
+    def balanced(cls, global_shape, dim: int, parts: int, rank: int, packed: int = 1) -> "ShardSpec":
+        """The balanced split over ``parts`` ranks of ``global_shape[dim]`` (of each of its
+        ``packed`` blocks, which must be equal)."""
         global_shape = tuple(int(s) for s in global_shape)
-        return cls(dim, global_shape, tuple(shard_sizes(global_shape[dim], parts)), rank)
+        if packed < 1 or global_shape[dim] % packed:
+            raise ValueError(f"ShardSpec: dim {dim} of {global_shape} does not hold {packed} equal packed blocks")
+        return cls(dim, global_shape, tuple(shard_sizes(global_shape[dim] // packed, parts)), rank, parts=packed)
 
 
 def mark_sharded(param: torch.nn.Parameter, spec: ShardSpec) -> None:

@@ -1,4 +1,4 @@
-"""`parallelize`: turn the dense layers of an existing ``nn.Module`` into bigdense layers, in place.
+"""`parallelize`: turn the dense layers of an existing ``nn.Module`` into tensor-parallel ones, in place.
 
 Module paths and parameter names do not change, so a parallelized model's checkpoints export to
 (and import from) the original plain model's state dict.
@@ -15,263 +15,235 @@ What is converted automatically (``plan=None``), and why nothing else is:
 * ``nn.Embedding`` with nn.Embedding's default options, unless its weight is tied to another
   module: the output of a `VocabParallelEmbedding` is the full embedding, a drop-in replacement.
 
-A model of Hugging Face ``transformers`` that carries a tensor-parallel plan
-(``config.base_model_tp_plan`` and the class's ``_tp_plan``) is converted by that plan instead
-(`bigdense.parallelize.hf`); one that carries none is refused with ``plan=None`` (the patterns below
-would miss its layers), naming them. Its ``Conv1D`` layers (GPT-2) convert as column/row keeping
-their transposed weight layout (`ColumnParallelConv1D`).
+A model of Hugging Face ``transformers`` that carries a tensor-parallel plan is converted by that
+plan instead (`bigdense.parallelize.hf`: every style transformers defines, with corrections where a
+model's own plan would train wrong); one that carries none is refused with ``plan=None`` (the
+patterns above would miss its layers), naming them. Its ``Conv1D`` layers (GPT-2) convert as
+column/row keeping their transposed weight layout (`ColumnParallelConv1D`).
 
 Never automatic: a lone ``nn.Linear`` (a column layer would leave its output sharded, a gathered one
 only adds communication); ``nn.MultiheadAttention``'s ``out_proj`` (it is applied inside
 ``F.multi_head_attention_forward``, which reads ``out_proj.weight`` whole -- refused even in a
 plan); classifier heads (a `ParallelClassifierHead` returns this rank's shard of the logits, meant
 for its ``loss``/``predict``: name it in a plan).
+
+How an entry converts what it names: a plain ``nn.Linear``/``nn.Embedding`` (exactly that class,
+its weight not shared) is replaced by bigdense's layer; anything else -- a subclass with its own
+forward, an experts block, a norm, a parameter -- is converted in place
+(`bigdense.parallelize.inplace`), keeping its class and forward. What stays whole, and why, is
+reported (`ConversionReport`), never left silent.
 """
 from __future__ import annotations
 
-import fnmatch
 import logging
-import re
-from typing import Mapping, Optional, Union
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 import torch.nn as nn
 
 from ..layers import (
-    ColumnParallelConv1D, ColumnParallelLinear, ParallelClassifierHead, RowParallelConv1D, RowParallelLinear,
-    ShardedDropout, VocabParallelEmbedding, tie_weights,
+    ColumnParallelConv1D, ColumnParallelLinear, RowParallelConv1D, RowParallelLinear, ShardedDropout, tie_weights,
 )
+from ..layers.base import named_shard_specs
 from ..layers.conv1d import is_conv1d
+from ..parallel import comm
 from ..parallel.context import resolve_tp_group
 from ..parallel.sharding import shard_range
-from .hf import hf_tp_plan, is_hf_model, no_plan_error, translate_hf_plan
+from .hf import layer_pattern, unaligned_experts_to_eager
+from .inplace import shard_in_place
+from .plans import _ELEMENTWISE, TRANSFORMER_LAYERS, Conversion, Entry, PlanValue, plan_conversion, shared_parameters
+from .styles import Column, Row
 
 logger = logging.getLogger("bigdense.parallelize")
 
-STYLES = {
-    "column": ColumnParallelLinear, "row": RowParallelLinear, "vocab": VocabParallelEmbedding,
-    "head": ParallelClassifierHead,
-}
-CONV1D_STYLES = {"column": ColumnParallelConv1D, "row": RowParallelConv1D}  # Hugging Face's transposed Linear
-_ELEMENTWISE = (
-    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU,
-    nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.Identity, nn.Dropout,
-)
-_TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
-
-PlanValue = Union[str, tuple]
+CONV1D_LAYERS = {"column": ColumnParallelConv1D, "row": RowParallelConv1D}  # Hugging Face's transposed Linear
 
 
-def _is_attention_projection(model: nn.Module, name: str) -> bool:
-    parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
-    return isinstance(parent, nn.MultiheadAttention)
+@dataclass
+class ConversionReport:
+    """What `parallelize` did: ``converted`` (``{name: style}``), ``dense`` (``{module or pattern:
+    why it stays whole}``), the plan's ``unmatched`` patterns, and ``sharded_fraction``: the share
+    of the model's parameters (elements, each counted once) that are split over TP."""
 
+    source: str
+    converted: dict[str, str] = field(default_factory=dict)
+    dense: dict[str, str] = field(default_factory=dict)
+    unmatched: list[str] = field(default_factory=list)
+    sharded_fraction: float = 0.0
+    notes: list[str] = field(default_factory=list)
 
-def _auto_plan(model: nn.Module) -> tuple[dict[str, tuple], dict[str, str]]:
-    """``({name: (style, options)}, {name: why it stays dense})`` for the usual patterns."""
-    plan, skipped = {}, {}
-    shared = _shared_weights(model)
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        if isinstance(module, _TRANSFORMER_LAYERS):
-            if type(module.linear1) is nn.Linear and type(module.linear2) is nn.Linear:
-                plan[prefix + "linear1"] = ("column", {})
-                plan[prefix + "linear2"] = ("row", {})
-        elif isinstance(module, nn.Sequential):
-            children = list(module.named_children())
-            i = 0
-            while i < len(children):
-                first = children[i][1]
-                j = i + 1
-                while j < len(children) and isinstance(children[j][1], _ELEMENTWISE):
-                    j += 1
-                if (type(first) is nn.Linear and j < len(children) and type(children[j][1]) is nn.Linear
-                        and children[j][1].in_features == first.out_features):
-                    plan[prefix + children[i][0]] = ("column", {})
-                    plan[prefix + children[j][0]] = ("row", {})
-                    i = j + 1
-                else:
-                    i += 1
-        elif type(module) is nn.Embedding:
-            if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
-                skipped[name] = "nn.Embedding with max_norm/sparse/scale_grad_by_freq"
-            elif id(module.weight) in shared:
-                skipped[name] = (f"weight shared by {shared[id(module.weight)]}; "
-                                 f"name a tied pair in a plan (vocab + head)")
-            else:
-                plan[name] = ("vocab", {})
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and name not in plan:
-            skipped[name] = ("nn.MultiheadAttention projection, applied by F.multi_head_attention_forward"
-                             if _is_attention_projection(model, name) else "no column->row partner")
-    return plan, skipped
-
-
-def _shared_weights(model: nn.Module) -> dict[int, list[str]]:
-    """``{id(weight): [module names]}`` for weights reachable through more than one module name
-    (tied weights, or one module used in two places)."""
-    owners: dict[int, list[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        w = getattr(module, "weight", None)
-        if isinstance(w, nn.Parameter):
-            owners.setdefault(id(w), []).append(name)
-    return {k: v for k, v in owners.items() if len(v) > 1}
-
-
-def _normalise(value: PlanValue, pattern: str) -> tuple[str, dict]:
-    style, options = (value, {}) if isinstance(value, str) else (value[0], dict(value[1]) if len(value) > 1 else {})
-    if style not in STYLES:
-        raise ValueError(f"parallelize: plan[{pattern!r}] = {style!r}; the styles are {sorted(STYLES)}")
-    return style, options
-
-
-def _resolve_plan(model: nn.Module, plan: Mapping[str, PlanValue], hf: bool = False) -> dict[str, tuple]:
-    """``{module name: (style, options)}``. A Hugging Face plan (``hf``) is matched as transformers
-    matches it (``*`` stands for a layer number), and a pattern matching no module is skipped (a
-    model's own plan may name modules some variants lack); otherwise that is an error."""
-    names = [n for n, _ in model.named_modules()]
-    resolved: dict[str, tuple] = {}
-    for pattern, value in plan.items():
-        style, options = _normalise(value, pattern)
-        if hf:
-            hits = [n for n in names if re.sub(r"\d+", "*", n) == pattern]
-        else:
-            hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not hits and hf:
-            logger.info("parallelize: plan pattern %r matches no module of this model", pattern)
-        elif not hits:
-            raise ValueError(
-                f"parallelize: plan pattern {pattern!r} matches no module (module names look like {names[1:4]})"
-            )
-        for name in hits:
-            if name in resolved and resolved[name][0] != style:
-                raise ValueError(f"parallelize: module {name!r} is matched as {resolved[name][0]!r} and as {style!r}")
-            resolved[name] = (style, options)
-    return resolved
-
-
-def _check_convertible(model: nn.Module, name: str, style: str) -> None:
-    module = model.get_submodule(name)
-    want = nn.Embedding if style == "vocab" else nn.Linear
-    if style in CONV1D_STYLES and is_conv1d(module):
-        return
-    if not isinstance(module, want) or isinstance(module, tuple(STYLES.values())):
-        raise TypeError(
-            f"parallelize: {name!r} is a {type(module).__name__}; style {style!r} converts an {want.__name__}"
-        )
-    if style != "vocab" and _is_attention_projection(model, name):
-        raise ValueError(
-            f"parallelize: {name!r} is nn.MultiheadAttention's output projection; F.multi_head_attention_forward "
-            f"reads its weight whole, so it cannot be sharded (use a bigdense attention block instead)"
-        )
+    def summary(self, model_name: str) -> str:
+        lines = [f"parallelize: {model_name} by {self.source}: {len(self.converted)} modules/parameters converted, "
+                 f"{self.sharded_fraction:.1%} of the parameters split over TP"]
+        lines += [f"  stays whole: {name}: {why}" for name, why in sorted(self.dense.items())]
+        if self.unmatched:
+            lines.append(f"  plan patterns that match nothing in this model: {sorted(self.unmatched)}")
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
 
 
 def tp_plan(model: nn.Module, plan: Optional[Mapping[str, PlanValue]] = None) -> dict[str, str]:
-    """The TP plan `parallelize` would apply: ``{module name: style}`` (nothing is changed); raises
-    what `parallelize` would raise for a plan naming a module it cannot convert. (Also importable
-    as ``plan_parallelism``, its former name.)"""
-    resolved = _choose_plan(model, plan)[0]
-    for name, (style, _) in resolved.items():
-        _check_convertible(model, name, style)
-    return {name: style for name, (style, _) in resolved.items()}
+    """The TP plan `parallelize` would apply: ``{module or parameter name: style}`` (nothing is
+    changed); raises what `parallelize` would raise for a plan naming something it cannot convert.
+    (Also importable as ``plan_parallelism``, its former name.)"""
+    tp = comm.group_size(resolve_tp_group(None))
+    return {name: e.style.name for name, e in plan_conversion(model, plan, tp).entries.items()}
 
 
-def _choose_plan(model: nn.Module, plan: Optional[Mapping[str, PlanValue]]) -> tuple[dict[str, tuple], str]:
-    """The resolved plan and where it came from: the one given, the model's own Hugging Face plan,
-    or the automatic patterns."""
-    if plan is not None:
-        return _resolve_plan(model, plan), "the plan given"
-    hf = hf_tp_plan(model)
-    if hf is not None:
-        return _without_tied(model, _resolve_plan(model, translate_hf_plan(hf), hf=True)), \
-            "the model's Hugging Face tensor-parallel plan"
-    if is_hf_model(model):
-        raise no_plan_error(model, [n for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)])
-    resolved, skipped = _auto_plan(model)
-    for name, why in skipped.items():
-        logger.info("parallelize: %s stays dense: %s", name or "<root>", why)
-    return resolved, "the automatic plan"
-
-
-def _without_tied(model: nn.Module, resolved: dict[str, tuple]) -> dict[str, tuple]:
-    """A Hugging Face plan shards a tied embedding and output layer as embedding + gathered column;
-    bigdense ties a vocab embedding to a `ParallelClassifierHead` only, so such a pair stays dense."""
-    shared = _shared_weights(model)
-    kept = dict(resolved)
-    for name in resolved:
-        partners = shared.get(id(getattr(model.get_submodule(name), "weight", None)), [])
-        if partners:
-            logger.info("parallelize: %s stays dense: its weight is tied to %s", name, [p for p in partners if p != name])
-            kept.pop(name, None)
-    return kept
+def planned_splits(model: nn.Module, plan: Optional[Mapping[str, PlanValue]] = None,
+                   tp: Optional[int] = None) -> dict[str, tuple[int, int]]:
+    """``{parameter name: (split dim, packed blocks)}`` for the parameters `parallelize` would split
+    (the planner counts a model before it is converted; Conv1D weights split as their layout says)."""
+    tp = comm.group_size(resolve_tp_group(None)) if tp is None else tp
+    conversion = plan_conversion(model, plan, tp)
+    splits = {}
+    for entry in conversion.entries.values():
+        owner = model.get_submodule(entry.owner)
+        for pname, p in owner.named_parameters(recurse=False):
+            full = f"{entry.owner}.{pname}" if entry.owner else pname
+            if entry.param is not None and entry.param != pname:
+                continue
+            if is_conv1d(owner) and entry.style.name in CONV1D_LAYERS:
+                split = {"column": (1, 1), "row": (0, 1)}[entry.style.name] if pname == "weight" else (
+                    (0, 1) if entry.style.name == "column" else None)
+            else:
+                split = entry.style.split(owner, pname, p, whole_module=entry.param is None)
+            if split is not None:
+                splits.setdefault(full, split)
+    return splits
 
 
 def parallelize(model: nn.Module, plan: Optional[Mapping[str, PlanValue]] = None, tp_group=None) -> nn.Module:
-    """Replace dense layers of ``model`` by bigdense layers holding this rank's slices; returns ``model``.
+    """Convert ``model``'s dense layers for tensor parallelism, in place; returns ``model``.
 
     Call it on every TP rank with identical weights (same seed or same loaded state). ``plan``
-    maps module-name patterns (``fnmatch``: ``"blocks.*.mlp.fc1"``; ``*`` also crosses dots) to a
-    style -- ``"column"``/``"row"`` (``nn.Linear``), ``"vocab"`` (``nn.Embedding``), ``"head"``
-    (``nn.Linear`` -> `ParallelClassifierHead`) -- or to ``(style, {constructor options})``, e.g.
-    ``("column", {"gather_output": True})`` or ``("row", {"input_is_parallel": False})``. Every
-    pattern must match a module. With ``plan=None`` the usual patterns are found (see the module
-    docstring). ``nn.Dropout`` between a converted column/row pair becomes `ShardedDropout`.
-    A vocab embedding and a head whose weights were tied stay tied.
+    maps module- or parameter-name patterns (``fnmatch``: ``"blocks.*.mlp.fc1"``; ``*`` also
+    crosses dots) to a style -- ``"column"``/``"row"`` (``nn.Linear``), ``"vocab"``
+    (``nn.Embedding``), ``"head"`` (``nn.Linear`` -> `ParallelClassifierHead`), or any other style
+    of `bigdense.parallelize.styles` (or its Hugging Face name) -- or to ``(style, {options})``,
+    e.g. ``("column", {"gather_output": True})``, ``("row", {"input_is_parallel": False})``,
+    ``("column", {"packed": 2})``. Every pattern must match a module or parameter. With
+    ``plan=None`` the model's own Hugging Face plan is used, else the usual patterns are found (see
+    the module docstring). ``nn.Dropout`` between a converted column/row pair becomes
+    `ShardedDropout`. A weight two converted modules share stays shared.
 
-    With ``plan=None`` a Hugging Face model that carries a tensor-parallel plan is converted by it:
-    ``colwise`` -> column, ``rowwise`` -> row, ``colwise_gather_output`` -> column with
-    ``gather_output=True``, ``embedding_rowwise`` -> vocab; any other style is refused, as is a
-    transformers model that carries no plan. A ``Conv1D`` (GPT-2) converts as column/row with its
-    own weight layout.
-
-    The conversion is logged (logger ``bigdense.parallelize``) and recorded as
-    ``model.bd_parallel_plan`` (``{name: style}``) and ``model.bd_parallel_plan_source`` (which
-    plan was used); `tp_plan` previews it.
+    The conversion is logged (logger ``bigdense.parallelize``: a summary, with every module that
+    stays whole and why, as a warning when under half of the parameters end up split) and
+    recorded as ``model.bd_parallel_report`` (`ConversionReport`), ``model.bd_parallel_plan``
+    (``{name: style}``) and ``model.bd_parallel_plan_source``; `tp_plan` previews it.
     """
     tp_group = resolve_tp_group(tp_group)
-    resolved, source = _choose_plan(model, plan)
-    logger.info("parallelize: using %s", source)
-    for name, (style, _) in resolved.items():
-        _check_convertible(model, name, style)
-    shared = _shared_weights(model)
-    originals = {name: model.get_submodule(name) for name in resolved}
-    ties = []
-    for name, module in originals.items():
-        partners = shared.get(id(module.weight))
-        if partners is None:
-            continue
-        partner_names = [p for p in partners if p != name]
-        styles = {resolved.get(p, (None,))[0] for p in partner_names} | {resolved[name][0]}
-        if styles != {"vocab", "head"} or len(partner_names) != 1:
-            raise ValueError(
-                f"parallelize: {name}.weight is shared with {partner_names}; convert a tied pair as 'vocab' + 'head' "
-                f"(got styles {sorted(s or 'dense' for s in styles)})"
-            )
-        if resolved[name][0] == "vocab":
-            ties.append((name, partner_names[0]))
-
-    converted = {}
-    for name, (style, options) in resolved.items():
-        classes = CONV1D_STYLES if is_conv1d(originals[name]) else STYLES
-        new = classes[style].from_dense(originals[name], tp_group=tp_group, **options)
-        converted[name] = new
-        if name == "":
-            model = new
+    conversion = plan_conversion(model, plan, comm.group_size(tp_group))
+    logger.info("parallelize: using %s", conversion.source)
+    originals = {name: model.get_submodule(e.owner) for name, e in conversion.entries.items()}
+    in_place = _in_place_names(model, conversion)
+    converted, split_done = {}, {}
+    for name, entry in conversion.entries.items():
+        where = f"{type(model).__name__}.{name}"
+        if entry.owner in in_place:
+            module = originals[name]
+            if entry.param is None:
+                entry.style.check_in_place(module, where)
+            shard_in_place(module, tp_group, where, style=None if entry.param else entry.style,
+                           splits=_splits(module, entry, conversion), shared=split_done)
+            converted[name] = module
         else:
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, new)
-        logger.info("parallelize: %s: %s -> %s", name or "<root>", type(originals[name]).__name__, type(new).__name__)
-    for emb_name, head_name in ties:
+            converted[name] = _replace(model, name, entry, originals[name], tp_group)
+        logger.info("parallelize: %s: %s -> %s", name or "<root>", type(originals[name]).__name__,
+                    "in place" if entry.owner in in_place else type(converted[name]).__name__)
+    for emb_name, head_name in conversion.ties:
         tie_weights(converted[emb_name], converted[head_name])
     _adapt_containers(model)
-    model.bd_parallel_plan = {name: style for name, (style, _) in resolved.items()}
-    model.bd_parallel_plan_source = source
+    conversion.notes += unaligned_experts_to_eager(model)
+    model.bd_parallel_plan = {name: e.style.name for name, e in conversion.entries.items()}
+    model.bd_parallel_plan_source = conversion.source
+    model.bd_parallel_report = _report(model, conversion)
     return model
+
+
+def _in_place_names(model: nn.Module, conversion: Conversion) -> set[str]:
+    """Modules converted in place: every owner of a parameter entry, every module no bigdense layer
+    replaces (`Style.replaces`; a Conv1D has its own), and every module holding a weight it shares
+    with another (a replacing layer would untie it) unless a vocab embedding and a head are tied by
+    `tie_weights`."""
+    tied = {m for pair in conversion.ties for m in pair}
+    sharing = {n.rpartition(".")[0] for names in shared_parameters(model).values() for n in names} - tied
+    owners = {e.owner for e in conversion.entries.values() if e.param is not None}
+    out = set()
+    for name, entry in conversion.entries.items():
+        module = model.get_submodule(entry.owner)
+        replaced = entry.style.replaces(module) or (is_conv1d(module) and entry.style.name in CONV1D_LAYERS)
+        if entry.param is not None or name in owners or name in sharing or not replaced:
+            out.add(entry.owner)
+    return out
+
+
+def _splits(module: nn.Module, entry: Entry, conversion: Conversion) -> dict[str, tuple[int, int]]:
+    """The parameters of ``module`` this entry splits: its own parameter, or (a module entry) every
+    own parameter its style splits that has no entry of its own."""
+    own = dict(module.named_parameters(recurse=False))
+    if entry.param is not None:
+        return {entry.param: entry.style.split(module, entry.param, own[entry.param], whole_module=False)}
+    prefix = f"{entry.name}." if entry.name else ""
+    splits = {}
+    for pname, p in own.items():
+        if prefix + pname in conversion.entries:
+            continue
+        split = entry.style.split(module, pname, p, whole_module=True)
+        if split is not None:
+            splits[pname] = split
+    return splits
+
+
+def _replace(model: nn.Module, name: str, entry: Entry, module: nn.Module, tp_group) -> nn.Module:
+    """Replace ``module`` by the bigdense layer of its style (a Conv1D by its layout-keeping twin)."""
+    if is_conv1d(module) and entry.style.name in CONV1D_LAYERS:
+        new = CONV1D_LAYERS[entry.style.name].from_dense(module, tp_group=tp_group, **_conv1d_options(entry.style))
+    else:
+        new = entry.style.layer(module, tp_group)
+    if name == "":
+        return new
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, new)
+    return new
+
+
+def _conv1d_options(style) -> dict:
+    options = dict(style.layer_options)
+    if isinstance(style, Column) and style.gather_output:
+        options["gather_output"] = True
+    if isinstance(style, Row) and not style.input_is_parallel:
+        options["input_is_parallel"] = False
+    return options
+
+
+def _report(model: nn.Module, conversion: Conversion) -> ConversionReport:
+    dense = {layer_pattern(name): why for name, why in conversion.dense.items()}
+    report = ConversionReport(conversion.source, {n: e.style.describe() for n, e in conversion.entries.items()},
+                              dense, list(conversion.unmatched), notes=list(conversion.notes))
+    specs, seen, total, split = named_shard_specs(model), set(), 0, 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        spec = specs.get(name)
+        numel = math.prod(spec.global_shape) if spec is not None else p.numel()
+        total += numel
+        split += numel if spec is not None else 0
+    report.sharded_fraction = split / total if total else 0.0
+    for name, module in model.named_modules():  # plain dense layers nothing converted, by pattern
+        if type(module) in (nn.Linear, nn.Embedding) or (is_conv1d(module) and not named_shard_specs(module)):
+            report.dense.setdefault(layer_pattern(name), "not named by the plan")
+    summary = report.summary(type(model).__name__)
+    (logger.warning if report.sharded_fraction < 0.5 or report.notes else logger.info)(summary)
+    return report
 
 
 def _adapt_containers(model: nn.Module) -> None:
     """Dropout between a converted pair becomes `ShardedDropout`; transformer fast paths are disabled."""
     for _, module in list(model.named_modules()):  # (children are replaced below)
-        if isinstance(module, _TRANSFORMER_LAYERS) and isinstance(module.linear1, ColumnParallelLinear):
+        if isinstance(module, TRANSFORMER_LAYERS) and isinstance(module.linear1, ColumnParallelLinear):
             # The fused fast path reads linear1/linear2 weights directly; the regular path calls them.
             module.activation_relu_or_gelu = 0
             if isinstance(module.linear2, RowParallelLinear) and isinstance(module.dropout, nn.Dropout):

@@ -18,21 +18,13 @@ import torch.nn as nn
 from ..layers.base import TensorParallelModule
 from ..parallel.sharding import shard_sizes
 
-# How `parallelize` splits the parameters of each style: {style: {parameter: split dim or None}}.
-_STYLE_SPLITS = {
-    "column": {"weight": 0, "bias": 0},
-    "head": {"weight": 0, "bias": 0},
-    "row": {"weight": 1, "bias": None},
-    "vocab": {"weight": 0},
-}
-
-
 @dataclass(frozen=True)
 class ParamEntry:
     name: str
     global_shape: tuple[int, ...]
     split_dim: Optional[int]  # None: replicated over TP
     trainable: bool = True
+    packed: int = 1  # blocks along split_dim, each split on its own (a fused [gate; up] projection)
 
     @property
     def numel(self) -> int:
@@ -43,32 +35,22 @@ class ParamEntry:
         if self.split_dim is None:
             return self.numel
         shape = list(self.global_shape)
-        shape[self.split_dim] = shard_sizes(shape[self.split_dim], tp)[rank]
+        shape[self.split_dim] = shard_sizes(shape[self.split_dim] // self.packed, tp)[rank] * self.packed
         return math.prod(shape)
 
 
-def _planned_splits(model: nn.Module, plan) -> dict[str, Optional[int]]:
-    """``{parameter name: split dim}`` for plain modules a parallelize plan converts."""
-    from ..parallelize import tp_plan
-
-    splits = {}
-    for module_name, style in tp_plan(model, plan).items():
-        module = model.get_submodule(module_name)
-        prefix = f"{module_name}." if module_name else ""
-        for pname, p in module.named_parameters(recurse=False):
-            if p is not None:
-                splits[prefix + pname] = _STYLE_SPLITS[style].get(pname)
-    return splits
-
-
-def param_entries(model: nn.Module, plan: Optional[Mapping] = None) -> list[ParamEntry]:
+def param_entries(model: nn.Module, plan: Optional[Mapping] = None, tp: Optional[int] = None) -> list[ParamEntry]:
     """One entry per distinct parameter of ``model``, with its global shape and TP split.
 
     ``plan``: a `bigdense.parallelize` plan for the plain layers; ``None`` means the automatic plan
-    for a plain model, and the model as built when it already holds bigdense layers.
+    (a Hugging Face model's own) for a plain model, and the model as built when it already holds
+    bigdense layers. ``tp``: the TP size the plan is for (what stays whole can depend on it: heads
+    that do not divide); default the current context's.
     """
+    from ..parallelize.convert import planned_splits  # how `parallelize` would split each parameter
+
     has_tp_layers = any(isinstance(m, TensorParallelModule) for m in model.modules())
-    planned = _planned_splits(model, plan) if (plan is not None or not has_tp_layers) else {}
+    planned = planned_splits(model, plan, tp) if (plan is not None or not has_tp_layers) else {}
     entries, seen = [], set()
     for module_name, module in model.named_modules():
         declared = module._shards if isinstance(module, TensorParallelModule) else {}
@@ -78,10 +60,10 @@ def param_entries(model: nn.Module, plan: Optional[Mapping] = None) -> list[Para
             seen.add(id(p))
             full = f"{module_name}.{pname}" if module_name else pname
             if pname in declared:
-                shape, dim = declared[pname]
+                shape, dim, packed = declared[pname]
             else:
-                shape, dim = tuple(p.shape), planned.get(full)
-            entries.append(ParamEntry(full, tuple(shape), dim, p.requires_grad))
+                shape, (dim, packed) = tuple(p.shape), planned.get(full, (None, 1))
+            entries.append(ParamEntry(full, tuple(shape), dim, p.requires_grad, packed))
     return entries
 
 

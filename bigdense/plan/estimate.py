@@ -130,7 +130,7 @@ def estimate(
     FLOPs are estimated too; for other modules only parameters, gradients and optimizer state.
     """
     layout = layout or Layout(tp=tp, dp=dp, **layout_options)
-    entries = param_entries(model, plan)
+    entries = param_entries(model, plan, layout.tp)
     per_rank = count_per_rank(entries, layout.tp)
     trainable = max(count_per_rank(entries, layout.tp, trainable_only=True))
     largest = max((e.local_numel(layout.tp, 0) for e in entries), default=0)

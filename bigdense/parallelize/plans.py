@@ -1,0 +1,238 @@
+"""Which plan converts a model, and what each of its entries names: `plan_conversion`.
+
+The plan is the one given, else the model's own Hugging Face plan (`bigdense.parallelize.hf`), else
+the automatic patterns (`auto_plan`). Its patterns are matched against the model's module and
+parameter names; every entry becomes a `Style` (`bigdense.parallelize.styles`) checked against what
+it names, and a weight two modules share is followed to both. The result, a `Conversion`, says
+what will be converted and what stays whole and why; nothing is changed here.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Union
+
+import torch.nn as nn
+
+from ..layers.base import TensorParallelModule
+from ..layers.conv1d import is_conv1d
+from .hf import (
+    HF_STYLES, apply_fixes, dropout_notes, hf_tp_plan, is_hf_model, layer_pattern, no_plan_error, translate_hf_plan,
+    undividable_heads,
+)
+from .styles import STYLES, Column, Head, Row, Style, StyleError, make_style
+
+PlanValue = Union[str, tuple]
+
+_ELEMENTWISE = (
+    nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU,
+    nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.Identity, nn.Dropout,
+)
+TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+@dataclass
+class Entry:
+    """One converted name: a module (its style acts on its forward and its own parameters) or a
+    parameter (``param`` set: only split)."""
+
+    name: str
+    style: Style
+    param: Optional[str] = None  # the parameter's own name when the entry names a parameter
+
+    @property
+    def owner(self) -> str:
+        return self.name.rpartition(".")[0] if self.param else self.name
+
+
+@dataclass
+class Conversion:
+    """What `parallelize` will do: ``entries`` by name, ``dense`` (``{name: why it stays whole}``),
+    ``unmatched`` plan patterns (of a model's own plan: parts this variant of it lacks)."""
+
+    source: str
+    entries: dict[str, Entry]
+    dense: dict[str, str] = field(default_factory=dict)
+    unmatched: list[str] = field(default_factory=list)
+    ties: list[tuple[str, str]] = field(default_factory=list)  # (vocab embedding, head) tied by `tie_weights`
+    notes: list[str] = field(default_factory=list)  # what the converted model does differently (its dropout)
+
+
+def _is_attention_projection(model: nn.Module, name: str) -> bool:
+    parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
+    return isinstance(parent, nn.MultiheadAttention)
+
+
+def shared_parameters(model: nn.Module) -> dict[int, list[str]]:
+    """``{id(parameter): [its full names]}`` for parameters reachable under more than one name
+    (tied weights, or one module used in two places)."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
+    return {k: v for k, v in owners.items() if len(v) > 1}
+
+
+def auto_plan(model: nn.Module) -> tuple[dict[str, tuple], dict[str, str]]:
+    """``({name: (style, options)}, {name: why it stays whole})`` for the usual patterns (see
+    `bigdense.parallelize.convert`'s docstring)."""
+    plan, skipped = {}, {}
+    shared = {n.rpartition(".")[0] for names in shared_parameters(model).values() for n in names}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, TRANSFORMER_LAYERS):
+            if type(module.linear1) is nn.Linear and type(module.linear2) is nn.Linear:
+                plan[prefix + "linear1"] = ("column", {})
+                plan[prefix + "linear2"] = ("row", {})
+        elif isinstance(module, nn.Sequential):
+            children = list(module.named_children())
+            i = 0
+            while i < len(children):
+                first = children[i][1]
+                j = i + 1
+                while j < len(children) and isinstance(children[j][1], _ELEMENTWISE):
+                    j += 1
+                if (type(first) is nn.Linear and j < len(children) and type(children[j][1]) is nn.Linear
+                        and children[j][1].in_features == first.out_features):
+                    plan[prefix + children[i][0]] = ("column", {})
+                    plan[prefix + children[j][0]] = ("row", {})
+                    i = j + 1
+                else:
+                    i += 1
+        elif type(module) is nn.Embedding:
+            if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
+                skipped[name] = "nn.Embedding with max_norm/sparse/scale_grad_by_freq"
+            elif name in shared:
+                skipped[name] = "its weight is shared with another module; name a tied pair in a plan (vocab + head)"
+            else:
+                plan[name] = ("vocab", {})
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name not in plan:
+            skipped[name] = ("nn.MultiheadAttention projection, applied by F.multi_head_attention_forward"
+                             if _is_attention_projection(model, name) else "no column->row partner")
+    return plan, skipped
+
+
+def _normalise(value: PlanValue, pattern: str) -> tuple[str, dict]:
+    """``(bigdense style, options)`` of a plan value: a style name (bigdense's or Hugging Face's)
+    or ``(style, {options})``."""
+    name, options = (value, {}) if isinstance(value, str) else (value[0], dict(value[1]) if len(value) > 1 else {})
+    if name in HF_STYLES and not isinstance(value, tuple):
+        return HF_STYLES[name][0], {**HF_STYLES[name][1], **options}
+    return name, options
+
+
+def _match(model: nn.Module, plan: Mapping[str, tuple], hf: bool) -> tuple[dict[str, tuple], list[str]]:
+    """``({module or parameter name: (style, options)}, patterns matching nothing)``. A Hugging Face
+    plan is matched as transformers matches it (`layer_pattern`), any other with ``fnmatch`` (``*``
+    also crosses dots)."""
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    resolved, unmatched = {}, []
+    for pattern, (style, options) in plan.items():
+        hits = [n for n in names if (layer_pattern(n) == pattern if hf else fnmatch.fnmatchcase(n, pattern))]
+        if not hits:
+            unmatched.append(pattern)
+        for name in hits:
+            if name in resolved and resolved[name][0] != style:
+                raise ValueError(f"parallelize: {name!r} is matched as {resolved[name][0]!r} and as {style!r}")
+            resolved[name] = (style, options)
+    return resolved, unmatched
+
+
+def _entry(model: nn.Module, name: str, style_name: str, options: dict) -> Entry:
+    """The checked entry for ``name`` (a module or a parameter)."""
+    try:
+        style = make_style(style_name, options, where=f"parallelize: plan[{name!r}]")
+    except StyleError as err:
+        raise ValueError(f"{err} (the styles are {sorted(STYLES)})") from None
+    params = dict(model.named_parameters())
+    if name in params and name not in dict(model.named_modules()):
+        if not isinstance(style, (Column, Row)):
+            raise ValueError(f"parallelize: {name!r} is a parameter; only 'column' and 'row' split a parameter "
+                             f"(got {style.name!r})")
+        return Entry(name, style, param=name.rpartition(".")[2])
+    module = model.get_submodule(name)
+    _check_module(model, name, module, style)
+    return Entry(name, style)
+
+
+def _check_module(model, name: str, module: nn.Module, style: Style) -> None:
+    where = f"parallelize: {name!r}"
+    if isinstance(module, TensorParallelModule):
+        raise TypeError(f"{where} is already a bigdense layer ({type(module).__name__})")
+    if isinstance(style, (Column, Row, Head)) and not (isinstance(module, nn.Linear) or is_conv1d(module)):
+        raise TypeError(f"{where} is a {type(module).__name__}; style {style.name!r} converts an Linear")
+    if isinstance(style, (Row, Column, Head)) and _is_attention_projection(model, name):
+        raise ValueError(
+            f"{where} is nn.MultiheadAttention's output projection; F.multi_head_attention_forward "
+            f"reads its weight whole, so it cannot be sharded (use a bigdense attention block instead)"
+        )
+    try:
+        style.check(module, where)
+    except StyleError as err:
+        raise TypeError(str(err)) from None
+
+
+def _follow_ties(model: nn.Module, entries: dict[str, Entry], hf: bool, dense: dict[str, str]) -> list[tuple]:
+    """Check every weight two modules share: a vocab embedding and a head are tied by
+    `tie_weights` (returned); otherwise every holder must be converted, the same way, in place. A
+    Hugging Face plan that names only one holder keeps it whole (recorded in ``dense``); a plan
+    given is refused."""
+    ties = []
+    for names in shared_parameters(model).values():
+        holders = {n.rpartition(".")[0]: n for n in names}
+        named = {m: entries.get(m) or entries.get(p) for m, p in holders.items()}
+        if not any(named.values()):
+            continue
+        styles = {m: e.style.name if e else None for m, e in named.items()}
+        if set(styles.values()) == {"vocab", "head"} and len(holders) == 2:
+            ties.append(tuple(m for s in ("vocab", "head") for m, st in styles.items() if st == s))
+            continue
+        if all(named.values()):
+            continue  # converted in place together; `shard_in_place` checks they split it alike
+        first = next(m for m, e in named.items() if e)
+        others = sorted(m for m in holders if m != first)
+        if not hf:
+            raise ValueError(
+                f"parallelize: {first}.weight is shared with {others}; name every module that holds it in the plan "
+                f"(the same split), or convert a tied pair as 'vocab' + 'head' (got styles "
+                f"{sorted(s or 'dense' for s in styles.values())})")
+        for m, e in named.items():
+            if e:
+                entries.pop(e.name)
+                dense[e.name] = f"its weight is tied to {[o for o in holders if o != m]}, which the plan leaves whole"
+    return ties
+
+
+def plan_conversion(model: nn.Module, plan: Optional[Mapping[str, PlanValue]], tp: int) -> Conversion:
+    """What `parallelize` would do to ``model`` at TP size ``tp`` (see the module docstring)."""
+    hf_plan = hf_tp_plan(model) if plan is None else None
+    if plan is not None:
+        source = "the plan given"
+        raw = {pattern: _normalise(value, pattern) for pattern, value in plan.items()}
+        resolved, unmatched = _match(model, raw, hf=False)
+        if unmatched:
+            names = [n for n, _ in model.named_modules()]
+            raise ValueError(f"parallelize: plan pattern {unmatched[0]!r} matches no module "
+                             f"(module names look like {names[1:4]})")
+        dense, notes = {}, []
+    elif hf_plan is not None:
+        source = "the model's Hugging Face tensor-parallel plan"
+        resolved, unmatched = _match(model, translate_hf_plan(hf_plan, model), hf=True)
+        names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+        resolved, dense = apply_fixes(model, resolved, names)
+        for name, why in undividable_heads(model, resolved, tp).items():
+            resolved.pop(name)
+            dense[name] = why
+        notes = dropout_notes(model, resolved)
+    elif is_hf_model(model):
+        raise no_plan_error(model, [n for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)])
+    else:
+        source = "the automatic plan"
+        resolved, dense = auto_plan(model)
+        unmatched, notes = [], []
+    entries = {name: _entry(model, name, style, options) for name, (style, options) in resolved.items()}
+    conversion = Conversion(source, entries, dense, unmatched, notes=notes)
+    conversion.ties = _follow_ties(model, entries, hf=plan is None and hf_plan is not None, dense=dense)
+    return conversion
+

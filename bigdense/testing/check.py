@@ -1,0 +1,261 @@
+"""`check_parallel`: is a model converted by `bd.parallelize` exact? Find out on CPU before GPU hours.
+
+    report = bigdense.testing.check_parallel(build_model, {"input_ids": ids, "labels": ids}, tp=(2, 3), steps=1)
+    report.exact                 # every TP size: outputs and gradients within fp32 round-off
+    report.results[2].first_mismatch   # the first module (in execution order) whose output disagrees
+
+For each TP size, that many CPU gloo ranks (`run_ranks`) each build the plain model
+(``build_model()`` after ``torch.manual_seed(seed)``: every rank the same weights), convert a copy
+with `parallelize`, and run both on the same batch: forward, backward, an SGD step, ``steps``
+times, then a last forward. Compared, on every rank:
+
+* every output of the model (a tensor, a tuple, a ``ModelOutput``'s fields) at every forward;
+* every parameter's gradient: this rank's shard against the same slice of the plain one;
+* every module's output in the first forward, where both have the same shape (sharded
+  activations inside a TP region are skipped), to name the *first* module that disagrees.
+
+The loss is the model's ``.loss`` output when it has one (Hugging Face models given labels), else
+``loss_fn(output)``, else the mean square of its first floating-point output. Differences are
+reported as the largest absolute difference and relative to the largest magnitude of the plain
+value; a conversion is exact when every one is within ``rtol`` (default 1e-4: the TP sums only
+reorder fp32 additions, which moves values by about 1e-7 relative per operation, while a wrong
+slice or a missing sum moves them by order 1) of its own magnitude, or of a thousandth of the
+largest of its kind for a much smaller one. Both models run each forward with the random number
+generators at the same seed, so what they draw alike (a router's jitter, dropout on replicated
+activations) is the same; dropout on activations TP splits is drawn differently.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from .ranks import run_ranks
+
+Diff = tuple[float, float]  # (largest |difference|, largest |plain value|)
+
+
+@dataclass
+class RankComparison:
+    """One rank's comparison at one TP size."""
+
+    outputs: dict[str, Diff] = field(default_factory=dict)  # "step N/<output name>"
+    grads: dict[str, Diff] = field(default_factory=dict)  # "step N/<parameter name>"
+    modules: list[tuple[str, Diff]] = field(default_factory=list)  # in execution order, first forward
+    conversion: str = ""
+
+
+@dataclass
+class CheckResult:
+    """The comparison at one TP size, over its ranks (the largest difference of any rank)."""
+
+    tp: int
+    outputs: dict[str, Diff]
+    grads: dict[str, Diff]
+    first_mismatch: Optional[str]
+    conversion: str
+    rtol: float
+
+    def _bad(self, diffs: dict[str, Diff]) -> dict[str, Diff]:
+        # Relative to the value's own magnitude, floored at 1e-3 of the largest of its kind: a
+        # gradient a thousand times smaller than the others keeps the others' round-off.
+        floor = 1e-3 * max((scale for _, scale in diffs.values()), default=0.0)
+        return {k: d for k, d in diffs.items() if d[0] > self.rtol * max(d[1], floor, 1e-12)}
+
+    @property
+    def exact(self) -> bool:
+        return not self._bad(self.outputs) and not self._bad(self.grads)
+
+    def describe(self) -> str:
+        def worst(diffs):
+            if not diffs:
+                return "nothing compared"
+            key, (diff, scale) = max(diffs.items(), key=lambda kv: kv[1][0] / max(kv[1][1], 1e-6))
+            return f"{diff:.2e} ({diff / max(scale, 1e-6):.1e} relative) at {key}"
+        verdict = "exact" if self.exact else "DIFFERS"
+        lines = [f"tp={self.tp}: {verdict}; outputs: {worst(self.outputs)}; gradients: {worst(self.grads)}"]
+        if not self.exact:
+            bad = {**self._bad(self.outputs), **self._bad(self.grads)}
+            lines.append(f"  beyond rtol={self.rtol:g}: {sorted(bad)[:8]}")
+            lines.append(f"  first module that disagrees: {self.first_mismatch or 'none found (see the outputs)'}")
+        return "\n".join(lines)
+
+
+@dataclass
+class ParallelCheck:
+    """`check_parallel`'s answer: a `CheckResult` per TP size."""
+
+    results: dict[int, CheckResult]
+
+    @property
+    def exact(self) -> bool:
+        return all(r.exact for r in self.results.values())
+
+    def __str__(self) -> str:
+        return "\n".join(r.describe() for r in self.results.values())
+
+
+def _flat_outputs(output, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every floating-point tensor of a model's output, by name."""
+    if isinstance(output, torch.Tensor):
+        return {prefix or "output": output} if output.is_floating_point() else {}
+    items = output.items() if hasattr(output, "items") else enumerate(output) if isinstance(output, (tuple, list)) else ()
+    out = {}
+    for key, value in items:
+        out.update(_flat_outputs(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _diff(got: torch.Tensor, want: torch.Tensor) -> Diff:
+    got, want = got.detach().double(), want.detach().double()
+    if got.numel() == 0:
+        return 0.0, 0.0
+    return float((got - want).abs().max()), float(want.abs().max())
+
+
+def _loss(output, loss_fn):
+    if loss_fn is not None:
+        return loss_fn(output)
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    first = next(iter(_flat_outputs(output).values()))
+    return first.float().square().mean()
+
+
+def _record_module_outputs(model: nn.Module, into: list, skip: frozenset = frozenset()):
+    def hook(name):
+        def record(module, args, output):
+            tensors = _flat_outputs(output)
+            if tensors:
+                into.append((name, next(iter(tensors.values())).detach().clone()))
+        return record
+    return [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n and n not in skip]
+
+
+def _inside_converted(model: nn.Module) -> frozenset:
+    """Modules inside a converted one: they run on this rank's share, before the converted module's
+    communication, so their outputs are not the plain model's."""
+    from ..layers.base import TensorParallelModule
+
+    converted = [n for n, m in model.named_modules() if isinstance(m, TensorParallelModule)]
+    return frozenset(n for n, _ in model.named_modules() if any(n.startswith(c + ".") for c in converted if c))
+
+
+def _call_seeded(model, batch, seed: int):
+    """The model on ``batch`` with the random number generators at ``seed``: both models draw the
+    same numbers for what they draw alike (a router's jitter, dropout on a replicated activation)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        if isinstance(batch, dict):
+            return model(**batch)
+        return model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+
+
+def converted_pair(build_model: Callable[[], nn.Module], plan=None, seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """``(plain model, its converted copy)``: ``build_model()`` after ``torch.manual_seed(seed)``,
+    and a copy converted by `parallelize` (every rank of the default context calls it together)."""
+    from ..parallelize import parallelize
+
+    torch.manual_seed(seed)
+    reference = build_model()
+    return reference, parallelize(copy.deepcopy(reference), plan)
+
+
+def compare_pair(reference: nn.Module, model: nn.Module, batch, *, steps: int = 1, lr: float = 1e-2, loss_fn=None,
+                 seed: int = 0) -> RankComparison:
+    """This rank's comparison of a plain model with its converted copy (see the module docstring);
+    both are trained ``steps`` SGD steps. Every rank of the default parallel context calls it together."""
+    from ..layers.base import named_shard_specs
+
+    result = RankComparison(conversion=model.bd_parallel_report.summary(type(model).__name__))
+    specs, inside = named_shard_specs(model), _inside_converted(model)
+    ref_params, params = dict(reference.named_parameters()), dict(model.named_parameters())
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps + 1):
+        seen_ref, seen = [], []
+        hooks = (_record_module_outputs(reference, seen_ref) + _record_module_outputs(model, seen, inside)
+                 if step == 0 else [])
+        out_ref, out = (_call_seeded(m, batch, seed + step) for m in (reference, model))
+        for h in hooks:
+            h.remove()
+        want = _flat_outputs(out_ref)
+        for name, got in _flat_outputs(out).items():
+            if name in want and got.shape == want[name].shape:
+                result.outputs[f"step {step}/{name}"] = _diff(got, want[name])
+        if step == 0:
+            ref_by_name = dict(seen_ref)
+            result.modules = [(n, _diff(t, ref_by_name[n])) for n, t in seen
+                              if n in ref_by_name and t.shape == ref_by_name[n].shape]
+        if step == steps:
+            break
+        _loss(out_ref, loss_fn).backward()
+        _loss(out, loss_fn).backward()
+        for name, p in params.items():
+            ref = ref_params[name]
+            if p.grad is None or ref.grad is None:
+                continue
+            spec = specs.get(name)
+            result.grads[f"step {step}/{name}"] = _diff(p.grad, spec.slice_of(ref.grad) if spec else ref.grad)
+        opt_ref.step(), opt.step()
+        opt_ref.zero_grad(), opt.zero_grad()
+    return result
+
+
+def compare_on_this_rank(build_model: Callable[[], nn.Module], batch, *, steps: int = 1, plan=None, lr: float = 1e-2,
+                         loss_fn=None, seed: int = 0) -> RankComparison:
+    """`converted_pair` then `compare_pair`, on this rank."""
+    reference, model = converted_pair(build_model, plan, seed)
+    return compare_pair(reference, model, batch, steps=steps, lr=lr, loss_fn=loss_fn, seed=seed)
+
+
+def _on_each_rank(tp, build_model, batch, steps, plan, lr, loss_fn, seed) -> RankComparison:
+    from ..parallel.context import init_parallel
+
+    init_parallel(tp=tp)
+    return compare_on_this_rank(build_model, batch, steps=steps, plan=plan, lr=lr, loss_fn=loss_fn, seed=seed)
+
+
+def merge(tp: int, per_rank: list[RankComparison], rtol: float) -> CheckResult:
+    """The ranks' comparisons at one TP size as one `CheckResult` (the largest differences)."""
+    def largest(dicts):
+        out: dict[str, Diff] = {}
+        for d in dicts:
+            for key, (diff, scale) in d.items():
+                old = out.get(key, (0.0, 0.0))
+                out[key] = (max(old[0], diff), max(old[1], scale))
+        return out
+    first = None
+    for comparison in per_rank:
+        for name, (diff, scale) in comparison.modules:
+            if diff > rtol * max(scale, 1e-6):
+                first = first or name
+                break
+    return CheckResult(tp, largest(c.outputs for c in per_rank), largest(c.grads for c in per_rank), first,
+                       per_rank[0].conversion, rtol)
+
+
+def check_parallel(build_model: Callable[[], nn.Module], batch: Any, tp=(2, 3), steps: int = 1, *, plan=None,
+                   lr: float = 1e-2, loss_fn=None, rtol: float = 1e-4, seed: int = 0, timeout: float = 600.0,
+                   verbose: bool = True) -> ParallelCheck:
+    """Compare ``build_model()`` converted by `parallelize` (``plan``: as `parallelize` takes it)
+    with the unconverted model on ``batch`` at each TP size of ``tp``, on CPU gloo ranks (see the
+    module docstring); returns (and with ``verbose`` prints) a `ParallelCheck`.
+
+    ``build_model`` builds the plain model (called on every rank after ``torch.manual_seed(seed)``,
+    so it must build the same weights each time); ``batch`` is what the model is called with (a
+    dict of keyword arguments, a tuple of arguments, or one tensor).
+    """
+    results = {}
+    for size in (tp,) if isinstance(tp, int) else tuple(tp):
+        per_rank = run_ranks(_on_each_rank, size, size, build_model, batch, steps, plan, lr, loss_fn, seed,
+                             timeout=timeout)
+        results[size] = merge(size, per_rank, rtol)
+    check = ParallelCheck(results)
+    if verbose:
+        print(check)
+    return check

@@ -1,0 +1,57 @@
+"""Every causal-LM architecture of the installed transformers that ships a tensor-parallel plan,
+converted by `bd.parallelize` with its own plan (`bigdense.testing.hf_sweep`): exact against the
+unconverted model (logits and loss before and after an SGD step, every gradient, fp32 round-off:
+check_parallel's rtol 1e-4 of each value), its checkpoint saved sharded and exported into the
+plain model bit for bit -- or refused at conversion with a message. None may differ or fail.
+
+The whole sweep is slow (about 150 tiny models); the quick part keeps a handful that cover every
+kind of style: dense (Llama), per-head norms (Qwen3), mixture-of-experts (Mixtral, Qwen3-MoE),
+multi-head latent attention (DeepSeek-V2), a split-input row (Phi-3), a tied embedding and head
+(Gemma 3), plans bigdense corrects or partly keeps whole (Apertus, Doge, Dory's subclassed head),
+attention sinks (MiMo-V2-Flash) and identity experts (LongCat-Flash).
+"""
+import pytest
+
+from bigdense.testing.hf_sweep import architectures, markdown, sweep
+
+pytest.importorskip("transformers")
+
+QUICK = ["llama", "qwen3", "mixtral", "qwen3_moe", "deepseek_v2", "phi3", "gemma3_text", "apertus", "doge", "dory",
+         "mimo_v2_flash", "longcat_flash"]
+# At tp=3 the tiny models' 4 heads do not divide: attention stays whole, everything else splits
+# unevenly (a vocabulary of 256, MLPs of 128, experts of 64 over 3 ranks). At tp=4 with 4
+# key/value heads, attention splits too, one head per rank.
+UNEVEN = ["llama", "qwen3_moe", "mixtral", "deepseek_v2", "gemma3_text", "phi3", "longcat_flash", "llama4_text"]
+
+
+def _assert_all_exact(results, tp):
+    table = markdown(results, tp)
+    assert all(r.status in ("exact", "refused", "unbuildable") for r in results), table
+    return table
+
+
+def test_a_handful_of_architectures_convert_exactly_at_tp2():
+    results = sweep(2, QUICK)
+    _assert_all_exact(results, 2)
+    by_name = {r.name: r for r in results}
+    assert {n for n, r in by_name.items() if r.status == "exact"} >= {"llama", "mixtral", "qwen3_moe", "deepseek_v2"}
+    # What bigdense keeps whole, and why, is said: Doge's attention builds its mask from every head.
+    assert any("dynamic mask" in why for why in by_name["doge"].kept_whole.values())
+    assert by_name["mixtral"].sharded_fraction > 0.8
+
+
+@pytest.mark.slow
+def test_every_architecture_with_a_plan_converts_exactly_or_is_refused_at_tp2():
+    results = sweep(2)
+    table = _assert_all_exact(results, 2)
+    assert len(results) == len(architectures()) >= 130, table
+    exact = [r for r in results if r.status == "exact"]
+    assert len(exact) >= 0.9 * len(results), table
+
+
+@pytest.mark.slow
+def test_uneven_splits_at_tp3_and_one_head_per_rank_at_tp4():
+    _assert_all_exact(sweep(3, UNEVEN), 3)
+    results = sweep(4, UNEVEN, num_attention_heads=4, num_key_value_heads=4)
+    _assert_all_exact(results, 4)
+    assert all(not any("heads" in why for why in (r.kept_whole or {}).values()) for r in results)
