@@ -52,7 +52,7 @@ from ..parallel.context import resolve_tp_group
 from ..parallel.sharding import shard_range
 from .hf import layer_pattern, unaligned_experts_to_eager
 from .inplace import shard_in_place
-from .plans import _ELEMENTWISE, TRANSFORMER_LAYERS, Conversion, Entry, PlanValue, plan_conversion, shared_parameters
+from .plans import ELEMENTWISE, TRANSFORMER_LAYERS, Conversion, Entry, PlanValue, plan_conversion, shared_parameters
 from .styles import Column, Row
 
 logger = logging.getLogger("bigdense.parallelize")
@@ -258,7 +258,7 @@ def _adapt_containers(model: nn.Module) -> None:
                     column = child
                 elif column is not None and type(child) is nn.Dropout:
                     setattr(module, child_name, _sharded_dropout(child, column))
-                elif not isinstance(child, _ELEMENTWISE):
+                elif not isinstance(child, ELEMENTWISE):
                     column = None
 
 

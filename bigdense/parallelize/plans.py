@@ -24,7 +24,7 @@ from .styles import STYLES, Column, Head, Row, Style, StyleError, make_style
 
 PlanValue = Union[str, tuple]
 
-_ELEMENTWISE = (
+ELEMENTWISE = (
     nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU,
     nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.Identity, nn.Dropout,
 )
@@ -90,7 +90,7 @@ def auto_plan(model: nn.Module) -> tuple[dict[str, tuple], dict[str, str]]:
             while i < len(children):
                 first = children[i][1]
                 j = i + 1
-                while j < len(children) and isinstance(children[j][1], _ELEMENTWISE):
+                while j < len(children) and isinstance(children[j][1], ELEMENTWISE):
                     j += 1
                 if (type(first) is nn.Linear and j < len(children) and type(children[j][1]) is nn.Linear
                         and children[j][1].in_features == first.out_features):
