@@ -91,3 +91,17 @@ def test_the_classifier_plot_adds_an_accuracy_panel_and_marks_resumes(tmp_path):
     two = plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "both.png", title="run-a: classifier",
                           loss_unit="nats/window", accuracy=True)
     assert width(two) == 2 * width(one)
+
+
+def test_the_end_of_run_summary_names_what_the_run_directory_holds(tmp_path):
+    from types import SimpleNamespace
+
+    from bigdense.jobs.setup import Run
+
+    step = tmp_path / "checkpoints" / "step_0000002"
+    step.mkdir(parents=True)
+    (step / "model.safetensors").write_bytes(b"x" * 3_000_000)
+    run = Run(SimpleNamespace(tp_size=2, dp_size=1), tmp_path)
+    text = run.describe_outputs([tmp_path / "metrics.jsonl", None], tmp_path / "tensorboard")
+    assert "metrics.jsonl" in text and "1 checkpoint(s), 3 MB" in text and "trainer.keep_last" in text
+    assert f".venv/bin/tensorboard --logdir {tmp_path / 'tensorboard'}" in text

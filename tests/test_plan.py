@@ -182,6 +182,8 @@ def test_cli_table_json_and_suggestions(tmp_path, capsys):
     printed = capsys.readouterr().out
     for word in ("params", "grads", "optimizer", "activations", "head_loss", "comm_buffers", "overhead", "fits"):
         assert word in printed
+    # What is not searched is said, and where the JSON went.
+    assert "every one at precision=bf16: precision is not searched" in printed and f"written: {out}" in printed
     data = json.loads(out.read_text())
     assert data["estimate"]["layout"]["tp"] == 2 and data["estimate"]["total_bytes"] > 0
     assert data["suggestions"], "a 124M model fits 80 GB in some layout"
