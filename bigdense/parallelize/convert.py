@@ -52,7 +52,7 @@ from ..parallel.context import resolve_tp_group
 from ..parallel.sharding import shard_range
 from .hf import layer_pattern, unaligned_experts_to_eager
 from .inplace import shard_in_place
-from .plans import ELEMENTWISE, TRANSFORMER_LAYERS, Conversion, Entry, PlanValue, plan_conversion, shared_parameters
+from .plans import ELEMENTWISE, TRANSFORMER_LAYERS, Conversion, Entry, PlanValue, plan_conversion
 from .styles import Column, Row
 
 logger = logging.getLogger("bigdense.parallelize")
@@ -167,8 +167,7 @@ def _in_place_names(model: nn.Module, conversion: Conversion) -> set[str]:
     replaces (`Style.replaces`; a Conv1D has its own), and every module holding a weight it shares
     with another (a replacing layer would untie it) unless a vocab embedding and a head are tied by
     `tie_weights`."""
-    tied = {m for pair in conversion.ties for m in pair}
-    sharing = {n.rpartition(".")[0] for names in shared_parameters(model).values() for n in names} - tied
+    sharing = conversion.sharing - {m for pair in conversion.ties for m in pair}
     owners = {e.owner for e in conversion.entries.values() if e.param is not None}
     out = set()
     for name, entry in conversion.entries.items():

@@ -55,6 +55,7 @@ class Conversion:
     dense: dict[str, str] = field(default_factory=dict)
     unmatched: list[str] = field(default_factory=list)
     ties: list[tuple[str, str]] = field(default_factory=list)  # (vocab embedding, head) tied by `tie_weights`
+    sharing: set[str] = field(default_factory=set)  # modules holding a parameter another module holds too
     notes: list[str] = field(default_factory=list)  # what the converted model does differently (its dropout)
 
 
@@ -173,13 +174,14 @@ def _check_module(model, name: str, module: nn.Module, style: Style) -> None:
         raise TypeError(str(err)) from None
 
 
-def _follow_ties(model: nn.Module, entries: dict[str, Entry], hf: bool, dense: dict[str, str]) -> list[tuple]:
+def _follow_ties(model: nn.Module, shared: dict[int, list[str]], entries: dict[str, Entry], hf: bool,
+                 dense: dict[str, str]) -> list[tuple]:
     """Check every weight two modules share: a vocab embedding and a head are tied by
     `tie_weights` (returned); otherwise every holder must be converted, the same way, in place. A
     Hugging Face plan that names only one holder keeps it whole (recorded in ``dense``); a plan
     given is refused."""
     ties = []
-    for names in shared_parameters(model).values():
+    for names in shared.values():
         holders = {n.rpartition(".")[0]: n for n in names}
         named = {m: entries.get(m) or entries.get(p) for m, p in holders.items()}
         if not any(named.values()):
@@ -232,7 +234,9 @@ def plan_conversion(model: nn.Module, plan: Optional[Mapping[str, PlanValue]], t
         resolved, dense = auto_plan(model)
         unmatched, notes = [], []
     entries = {name: _entry(model, name, style, options) for name, (style, options) in resolved.items()}
-    conversion = Conversion(source, entries, dense, unmatched, notes=notes)
-    conversion.ties = _follow_ties(model, entries, hf=plan is None and hf_plan is not None, dense=dense)
+    shared = shared_parameters(model)
+    conversion = Conversion(source, entries, dense, unmatched, notes=notes,
+                            sharing={n.rpartition(".")[0] for names in shared.values() for n in names})
+    conversion.ties = _follow_ties(model, shared, entries, hf=plan is None and hf_plan is not None, dense=dense)
     return conversion
 

@@ -60,10 +60,7 @@ class CheckResult:
     rtol: float
 
     def _bad(self, diffs: dict[str, Diff]) -> dict[str, Diff]:
-        # Relative to the value's own magnitude, floored at 1e-3 of the largest of its kind: a
-        # gradient a thousand times smaller than the others keeps the others' round-off.
-        floor = 1e-3 * max((scale for _, scale in diffs.values()), default=0.0)
-        return {k: d for k, d in diffs.items() if d[0] > self.rtol * max(d[1], floor, 1e-12)}
+        return beyond(diffs, self.rtol)
 
     @property
     def exact(self) -> bool:
@@ -82,6 +79,13 @@ class CheckResult:
             lines.append(f"  beyond rtol={self.rtol:g}: {sorted(bad)[:8]}")
             lines.append(f"  first module that disagrees: {self.first_mismatch or 'none found (see the outputs)'}")
         return "\n".join(lines)
+
+
+def beyond(diffs: dict[str, Diff], rtol: float) -> dict[str, Diff]:
+    """The differences beyond ``rtol`` of their value's magnitude, floored at 1e-3 of the largest
+    of its kind: a gradient a thousand times smaller than the others keeps the others' round-off."""
+    floor = 1e-3 * max((scale for _, scale in diffs.values()), default=0.0)
+    return {k: d for k, d in diffs.items() if d[0] > rtol * max(d[1], floor, 1e-12)}
 
 
 @dataclass
@@ -230,11 +234,9 @@ def merge(tp: int, per_rank: list[RankComparison], rtol: float) -> CheckResult:
                 out[key] = (max(old[0], diff), max(old[1], scale))
         return out
     first = None
-    for comparison in per_rank:
-        for name, (diff, scale) in comparison.modules:
-            if diff > rtol * max(scale, 1e-6):
-                first = first or name
-                break
+    for comparison in per_rank:  # the first rank's earliest module that disagrees
+        bad = beyond(dict(comparison.modules), rtol)
+        first = first or next((name for name, _ in comparison.modules if name in bad), None)
     return CheckResult(tp, largest(c.outputs for c in per_rank), largest(c.grads for c in per_rank), first,
                        per_rank[0].conversion, rtol)
 
