@@ -1,7 +1,8 @@
-"""Train the reference GPT with tensor (and data) parallelism. From the repository root, after
-`make setup` (or `make train` / `make test`) created .venv:
+"""Train the reference GPT, or fine-tune a Hugging Face causal LM, with tensor (and data)
+parallelism. From the repository root, after `make setup` (or `make train` / `make test`) created .venv:
 
     .venv/bin/torchrun --standalone --nproc_per_node=2 launch/train.py       # the main job (`make train`)
+    .venv/bin/torchrun --standalone --nproc_per_node=2 launch/train.py model=hf model.path=DIR optim=finetune
     .venv/bin/torchrun --standalone --nproc_per_node=4 launch/train.py parallel.tp=2 parallel.dp=2 precision=bf16
     .venv/bin/python launch/train.py trainer.max_steps=50                    # one process, no process group
     .venv/bin/python launch/train.py trainer.run_dir=outputs/a trainer.max_steps=100   # resume / extend outputs/a
@@ -21,7 +22,7 @@ from tqdm import tqdm
 import bigdense as bd
 from bigdense.config import register_configs
 from bigdense.data import prepare_data
-from bigdense.jobs import build_gpt, parallelize_model, start_run
+from bigdense.jobs import build_gpt, build_hf, model_tokenizer, parallelize_model, start_run
 from bigdense.jobs.loop import StepLoop
 from bigdense.jobs.run import launch, run_job
 from bigdense.train.checkpointing import RunCheckpoints
@@ -49,17 +50,23 @@ def train(cfg) -> None:
     run = start_run(cfg, HydraConfig.get().runtime.output_dir)
     ctx, tr = run.ctx, cfg.trainer
 
-    # 2. Data: the tokenizer and token arrays are built once (rank 0) and cached.
-    data = prepare_data(cfg.data, ctx, seed=cfg.trainer.seed)
+    # 2. Data: the tokenizer (model=hf: the model's own) and token arrays are built once (rank 0) and cached.
+    data = prepare_data(cfg.data, ctx, seed=cfg.trainer.seed, tokenizer=model_tokenizer(cfg))
     log.info("data: %s", data.describe())
 
-    # 3. The model, sharded over TP as it is built, then parallelism in a fixed order
-    #    (`bigdense.jobs.parallelize`): starting weights (trainer.init_from, into the plain model
-    #    before an engine copies them; a run directory with a checkpoint resumes from it instead,
-    #    step 4), torch.compile of each block, activation checkpointing, the engine.
+    # 3. The model: the GPT sharded over TP as it is built, or (model=hf) the Hugging Face model on
+    #    the meta device, converted by its own plan. Then parallelism in a fixed order
+    #    (`bigdense.jobs.parallelize`): starting weights (trainer.init_from, or model.path's, each
+    #    rank reading its shards, into the plain model before an engine copies them; a run
+    #    directory with a checkpoint resumes from it instead, step 4), torch.compile of each
+    #    block, activation checkpointing, the engine.
     resuming = tr.resume and (run.checkpoint_dir / "latest").exists()
-    model = build_gpt(cfg, data.tokenizer.vocab_size, ctx)
-    engine = parallelize_model(model, ctx, cfg, init_from=None if resuming else tr.init_from).engine
+    if cfg.model.name == "hf":
+        model = build_hf(cfg, keep_files_in=run.hf_dir if ctx.is_main else None)
+    else:
+        model = build_gpt(cfg, data.tokenizer.vocab_size, ctx)
+    engine = parallelize_model(model, ctx, cfg, init_from=None if resuming else tr.init_from,
+                               load_pretrained=not resuming).engine
     counts = model.num_parameters()
     log.info("model: %.2fM parameters, head %.2fM; mesh tp=%d x dp=%d on %s; engine=%s precision=%s recompute=%s",
              counts["total"] / 1e6, counts["head"] / 1e6, ctx.tp_size, ctx.dp_size, ctx.device,
@@ -81,7 +88,7 @@ def train(cfg) -> None:
         metrics.write({"kind": "resume", "step": start_step})  # marked on the loss curve
     stats = DenseLayerStats(model, ctx.tp_group) if tr.log_rms else None
     tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * ctx.dp_size
-    flops_token = flops_per_token(counts["total"], cfg.model.n_layers, cfg.model.d_model, cfg.data.seq_len)
+    flops_token = flops_per_token(counts["total"], *model.depth_and_width(), cfg.data.seq_len)
     peak = peak_tflops(ctx.device, tr.peak_tflops)
     for step in loop:
         micro_batches = [data.train_batch(step.pos, m, ctx.dp_rank, ctx.dp_size) for m in range(cfg.data.grad_accum)]

@@ -169,6 +169,27 @@ def test_anything_that_changes_the_result_changes_the_cache_folder(corpus_dir, t
     assert prepare_data(_cfg(corpus_dir, tmp_path)).cache_path != base
 
 
+def test_a_models_own_tokenizer_encodes_the_corpus_with_its_own_end_token_cached_per_tokenizer(
+        corpus_dir, tmp_path, monkeypatch):
+    # A fine-tuned model's tokenizer.json (model=hf): never trained again, documents end with its
+    # end-of-sequence token, ids up to the model's vocabulary, one cache folder per tokenizer file.
+    from bigdense.data import TokenizerFile
+
+    trained = BPETokenizer.train(["def f(x):\n    return x\n"] * 20, 300)
+    trained._tok.add_special_tokens(["</s>"])
+    trained.save(tmp_path / "tokenizer.json")
+    monkeypatch.setattr(BPETokenizer, "train", lambda *a, **k: pytest.fail("the model's tokenizer was not used"))
+    own = TokenizerFile(tmp_path / "tokenizer.json", "</s>", 1000)
+    data = prepare_data(_cfg(corpus_dir, tmp_path), tokenizer=own)
+    eos = data.tokenizer.eot_id
+    assert data.tokenizer.vocab_size == 1000 and data.tokenizer.eot == "</s>"
+    assert eos == trained._tok.token_to_id("</s>") != trained.eot_id
+    assert data.train_tokens.max() == eos and "tokenizer.json" in data.describe()
+    trained._tok.add_special_tokens(["<extra>"])
+    trained.save(tmp_path / "tokenizer.json")
+    assert prepare_data(_cfg(corpus_dir, tmp_path), tokenizer=own).cache_path != data.cache_path
+
+
 def test_an_interrupted_build_leaves_nothing_that_loads(corpus_dir, tmp_path, monkeypatch):
     cfg = _cfg(corpus_dir, tmp_path)
     real_save = np.save

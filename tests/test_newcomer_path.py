@@ -2,8 +2,8 @@
 the errors such a user meets on it: each printed once, on a failing exit, without a traceback,
 as the last thing on the screen under torchrun.
 
-The docs' commands are taken from the pages themselves (training's resume block, compression's
-compress-then-fine-tune block) and run in a temporary directory with the test corpus appended and
+The docs' commands are taken from the pages themselves (training's fine-tune-and-export block and
+its resume block, compression's compress-then-fine-tune block) and run in a temporary directory with the test corpus appended and
 the step budgets scaled down (100 -> 4, 200 -> 6; 4 where a command gives none); everything else
 is as the page says.
 """
@@ -91,6 +91,23 @@ def test_the_docs_resume_then_compress_then_fine_tune_path_runs_in_order(tmp_pat
     assert "model.low_rank from trainer.init_from=outputs/gpt-a-lowrank" in outs[6]
     assert [r["step"] for r in records(ft, "eval")][-1] == 4
     assert "run directory" in outs[6] and "checkpoint(s)" in outs[6]
+
+
+def test_the_docs_hugging_face_fine_tune_then_export_runs_as_written(tmp_path, small):
+    block = docs_block("training.md", "model=hf")
+    assert [w[:3] for w in block] == [[".venv/bin/python", "-m", "bigdense.testing.pretrained"],
+                                      [".venv/bin/torchrun", "--standalone", "--nproc_per_node=2"],
+                                      [".venv/bin/python", "-m", "bigdense.export_hf"]], block
+    for words in block:
+        code, out = run(as_test_command(words, small), tmp_path)
+        assert code == 0 and "Traceback" not in out, f"{shlex.join(words)}\n{out}"
+    run_dir, exported = tmp_path / "outputs" / "llama-ft", tmp_path / "outputs" / "llama-ft-hf"
+    assert [r["step"] for r in records(run_dir, "eval")] == [4]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(exported)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert AutoTokenizer.from_pretrained(exported).eos_token == "</s>"
 
 
 @pytest.fixture(scope="module")

@@ -5,18 +5,20 @@
     bd.wait_for_checkpoints()                               # or handle.wait(); both re-raise a failure
     info = bd.load_checkpoint("runs/x/latest", model, optimizer, scheduler=sched)   # at any tp / dp
     bd.export_dense("runs/x/latest", "model.safetensors")   # one unsharded file, plain nn.Module names
+    bd.export_hf("runs/x", "exported")     # a CausalLM back to a Hugging Face directory (from_pretrained)
 
 See `bigdense.checkpoint.format` for the on-disk layout.
 """
 from .background import SaveHandle, wait_for_checkpoints
 from .dense import export_dense, load_dense_state_dict
 from .format import CheckpointError, CheckpointMismatch
+from .hf_export import export_hf
 from .load import CheckpointInfo, load_checkpoint
 from .save import save_checkpoint
 
 __all__ = [
     "save_checkpoint", "load_checkpoint", "SaveHandle", "wait_for_checkpoints", "CheckpointInfo", "CheckpointError",
-    "CheckpointMismatch", "export_dense", "load_dense_state_dict",
+    "CheckpointMismatch", "export_dense", "export_hf", "load_dense_state_dict",
 ]
 
 _MOVED = {"parallelize": "bigdense.parallelize", "plan_parallelism": "bigdense.parallelize", "tp_plan": "bigdense.parallelize",

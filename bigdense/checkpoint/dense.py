@@ -1,4 +1,5 @@
-"""Plain PyTorch interop: export a checkpoint as one unsharded file, import a dense state dict.
+"""Plain PyTorch interop: export a checkpoint as one unsharded file, import a dense state dict;
+`CheckpointTensors`, the assembly of global tensors from shard files that every export shares.
 
 bigdense layers keep ``nn.Linear``/``nn.Embedding`` parameter names (``weight``, ``bias``), and
 `parallelize` keeps module paths, so the global tensors of a checkpoint carry exactly the names of
@@ -28,6 +29,67 @@ from .pieces import current_context, model_pieces, unwrap
 from .split import SplitOptimizerState
 
 
+class CheckpointTensors:
+    """The model tensors of a checkpoint, each assembled whole from its shard files when asked for.
+
+    Offline: one process, no process group, any saved layout. ``names`` maps each model tensor's
+    name (the plain module name) to its manifest entry; ``aliases`` maps a tied name to the name it
+    is stored under. `assemble` builds one global tensor from the boxes on disk, verifying each
+    shard's checksum first (``verify``), so a caller that writes each tensor before asking for the
+    next holds O(largest tensor). The shard files stay memory-mapped until `close` (or the end of a
+    ``with`` block). Catches missing and truncated shard files on construction.
+    """
+
+    def __init__(self, ckpt: Path, manifest: dict, *, verify: bool = True):
+        self.ckpt, self.verify = Path(ckpt), verify
+        self._entries = manifest["tensors"]
+        self.names = {k[len("model/"):]: k for k in self._entries if k.startswith("model/")}
+        self.aliases: dict[str, str] = manifest.get("aliases", {})
+        files = {s["file"] for k in self.names.values() for s in self._entries[k]["shards"]}
+        check_files(self.ckpt, manifest, sorted(files))
+        self._readers: dict[str, SafetensorsReader] = {}
+
+    def shape(self, name: str) -> list[int]:
+        return self._entries[self.names[name]]["global_shape"]
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        return dtype_from_code(self._entries[self.names[name]]["dtype"])
+
+    def out_dtype(self, name: str, dtype: Optional[torch.dtype]) -> torch.dtype:
+        """``dtype`` for a floating-point tensor when given; the stored dtype otherwise."""
+        stored = self.stored_dtype(name)
+        return dtype if dtype is not None and stored.is_floating_point else stored
+
+    def assemble(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Global tensor ``name``, copied out of its shards and cast to `out_dtype`."""
+        entry = self._entries[self.names[name]]
+        full = torch.empty(entry["global_shape"], dtype=self.out_dtype(name, dtype))
+        for shard in entry["shards"]:
+            reader = self._reader(shard["file"])
+            if self.verify and not reader.matches(shard["name"], shard):
+                raise CheckpointError(
+                    f"{self.ckpt / shard['file']}: tensor {shard['name']!r} fails its checksum (corrupted file)"
+                )
+            narrow_box(full, [0] * full.dim(), shard["offsets"], shard["shape"]).copy_(reader.view(shard["name"]))
+        return full
+
+    def _reader(self, file: str) -> SafetensorsReader:
+        if file not in self._readers:
+            self._readers[file] = SafetensorsReader(self.ckpt / file)
+        return self._readers[file]
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def export_dense(ckpt_path, out_file, *, dtype: Optional[torch.dtype] = None, verify: bool = True) -> Path:
     """Write the model of checkpoint ``ckpt_path`` as ONE unsharded safetensors file ``out_file``.
 
@@ -41,45 +103,18 @@ def export_dense(ckpt_path, out_file, *, dtype: Optional[torch.dtype] = None, ve
     tensors (e.g. ``torch.bfloat16`` for a smaller file). The file appears atomically.
     """
     ckpt = resolve_checkpoint(ckpt_path)
-    manifest = read_manifest(ckpt)
-    tensors = manifest["tensors"]
-    names = {k[len("model/"):]: k for k in tensors if k.startswith("model/")}
-    check_files(ckpt, manifest, sorted({s["file"] for k in names.values() for s in tensors[k]["shards"]}))
-    tied = manifest.get("aliases", {})
-    ordered = sorted(names)
-
-    def out_dtype(entry):
-        stored = dtype_from_code(entry["dtype"])
-        return dtype if dtype is not None and stored.is_floating_point else stored
-
-    readers: dict[str, SafetensorsReader] = {}
-
-    def assemble(name: str) -> torch.Tensor:
-        entry = tensors[names[name]]
-        full = torch.empty(entry["global_shape"], dtype=out_dtype(entry))
-        for shard in entry["shards"]:
-            if shard["file"] not in readers:
-                readers[shard["file"]] = SafetensorsReader(ckpt / shard["file"])
-            reader = readers[shard["file"]]
-            if verify and not reader.matches(shard["name"], shard):
-                raise CheckpointError(
-                    f"{ckpt / shard['file']}: tensor {shard['name']!r} fails its checksum (corrupted file)"
-                )
-            narrow_box(full, [0] * full.dim(), shard["offsets"], shard["shape"]).copy_(reader.view(shard["name"]))
-        return full
-
     out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = hidden_sibling(out_file, "tmp")
-    try:
-        layout = [(n, out_dtype(tensors[names[n]]), tensors[names[n]]["global_shape"]) for n in ordered]
-        metadata = {"format": "pt", "source": f"{FORMAT_NAME}:{ckpt.name}", "tied": json.dumps(tied, sort_keys=True)}
-        write_safetensors(tmp, layout, assemble, metadata)
-        os.replace(tmp, out_file)
-    finally:
-        for reader in readers.values():
-            reader.close()
-        tmp.unlink(missing_ok=True)
+    with CheckpointTensors(ckpt, read_manifest(ckpt), verify=verify) as stored:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            layout = [(n, stored.out_dtype(n, dtype), stored.shape(n)) for n in sorted(stored.names)]
+            metadata = {"format": "pt", "source": f"{FORMAT_NAME}:{ckpt.name}",
+                        "tied": json.dumps(stored.aliases, sort_keys=True)}
+            write_safetensors(tmp, layout, lambda name: stored.assemble(name, dtype), metadata)
+            os.replace(tmp, out_file)
+        finally:
+            tmp.unlink(missing_ok=True)
     return out_file
 
 

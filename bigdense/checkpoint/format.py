@@ -200,6 +200,18 @@ class SafetensorsReader:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(memoryview(self._mm)[begin:end], dtype=dtype).view(shape)
 
+    def release(self, name: str) -> None:
+        """Drop the pages of tensor ``name`` that reading it brought into this process (they count
+        in its resident set while mapped): a reader going through a big file tensor by tensor then
+        holds one tensor's pages at a time. The mapping is private and never written, so a later
+        read of the tensor reads the file again."""
+        if self._mm is None or not hasattr(self._mm, "madvise"):
+            return
+        _, begin, end = self._entry(name)
+        start = begin - begin % mmap.PAGESIZE
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def close(self) -> None:
         if self._mm is not None:
             try:

@@ -16,7 +16,9 @@ from ..models import GPTConfig
 class ModelConfig:
     """The network. Defaults are `bigdense.models.GPTConfig`'s; ``vocab_size`` defaults to the tokenizer's."""
 
-    name: str = "gpt"  # one of bigdense.models.MODELS: "gpt" (launch/train.py), "encoder" (launch/classify.py)
+    # One of bigdense.models.MODELS: "gpt" (launch/train.py), "encoder" (launch/classify.py), "hf" (launch/train.py:
+    # a Hugging Face causal LM read from model.path; the shape keys below, d_model to init, do not apply to it)
+    name: str = "gpt"
     d_model: int = GPTConfig.d_model
     n_layers: int = GPTConfig.n_layers
     n_heads: int = GPTConfig.n_heads  # tensor parallelism splits heads: parallel.tp must divide this
@@ -38,6 +40,10 @@ class ModelConfig:
     # {module path: rank} or null: build these dense layers as low-rank pairs (as written by
     # `python -m bigdense.compress`; override syntax: 'model.low_rank={blocks.0.mlp.up:48}')
     low_rank: Any = None
+    # model.name=hf: a directory written by transformers' save_pretrained (config.json, *.safetensors and,
+    # when present, tokenizer.json, whose tokenizer then encodes the data)
+    path: Optional[str] = None
+    freeze_embeddings: bool = False  # model.name=hf: the input embeddings (and a head tied to them) stay as loaded
 
 
 @dataclass

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from omegaconf.errors import MissingMandatoryValue
+
 from ..checkpoint.format import CheckpointError, resolve_checkpoint
 from ..data.prepare import check_data
 from ..errors import ConfigError, check_choice, check_positive
@@ -17,6 +19,7 @@ from ..layers.head.margin import resolve_margin
 from ..layers.mlp import ACTIVATIONS
 from ..layers.head.sampling import check_sample_rate
 from ..models import MODELS
+from ..models.hf_dir import HFDirectory
 from ..models.gpt import ATTENTION_DROPOUT_MODES, check_heads
 from ..parallel.context import ParallelDims
 from ..train.checkpointing import check_checkpointing
@@ -36,25 +39,40 @@ def validate(cfg, world_size: int, device_type: str) -> ParallelDims:
     check_known_keys(cfg)
     m = cfg.model
     check_choice("model.name", m.name, MODELS)
-    check_choice("model.activation", m.activation, ACTIVATIONS)
-    check_choice("model.init", m.init, sorted(INITIALIZERS))
     check_recompute(cfg.recompute.mode, cfg.recompute.every)
     check_precision(cfg.precision, device_type)
     check_engine(EngineSettings.from_run_config(cfg), device_type)  # optimizer and schedule included
     check_data(cfg.data)
-    for key in ("model.d_model", "model.n_layers", "model.n_heads", "model.max_seq_len",
-                "trainer.log_interval", "trainer.eval_batches", "parallel.timeout_s"):
+    for key in ("trainer.log_interval", "trainer.eval_batches", "parallel.timeout_s"):
         group, name = key.split(".")
         check_positive(key, getattr(getattr(cfg, group), name))
     for key in ("trainer.eval_interval", "trainer.save_interval", "trainer.checked_steps"):
         group, name = key.split(".")
         check_positive(key, getattr(getattr(cfg, group), name), allow_zero=True)
-    for key in ("d_hidden", "head_chunk_size"):  # None: the model's own choice
-        if getattr(m, key) is not None:
-            check_positive(f"model.{key}", getattr(m, key))
     check_compile(cfg.trainer.compile_backend)
     if cfg.trainer.peak_tflops is not None:
         check_positive("trainer.peak_tflops", cfg.trainer.peak_tflops)
+    check_checkpointing(cfg.trainer)
+    _check_init_from(getattr(cfg.trainer, "init_from", None))
+    dims = ParallelDims.resolve(cfg.parallel.tp, cfg.parallel.dp, world_size)
+    if m.name == "hf":
+        _validate_hf_model(cfg)
+    else:
+        _validate_gpt_model(cfg, dims.tp, world_size)
+    _validate_head(cfg)
+    return dims
+
+
+def _validate_gpt_model(cfg, tp: int, world_size: int) -> None:
+    """The model keys of bigdense's own models (``model.name`` gpt or encoder)."""
+    m = cfg.model
+    check_choice("model.activation", m.activation, ACTIVATIONS)
+    check_choice("model.init", m.init, sorted(INITIALIZERS))
+    for key in ("d_model", "n_layers", "n_heads", "max_seq_len"):
+        check_positive(f"model.{key}", getattr(m, key))
+    for key in ("d_hidden", "head_chunk_size"):  # None: the model's own choice
+        if getattr(m, key) is not None:
+            check_positive(f"model.{key}", getattr(m, key))
     for key in ("dropout", "attention_dropout"):
         if not 0.0 <= getattr(m, key) < 1.0:
             raise ConfigError(f"model.{key} must be in [0, 1), got {getattr(m, key)}")
@@ -67,15 +85,34 @@ def validate(cfg, world_size: int, device_type: str) -> ParallelDims:
         raise ConfigError(f"model.low_rank must be a mapping {{module path: rank}} or null, got {low_rank!r}")
     for path, rank in (low_rank or {}).items():
         check_positive(f"model.low_rank[{path}]", rank)
-    check_checkpointing(cfg.trainer)
-    _check_init_from(getattr(cfg.trainer, "init_from", None))
+    if getattr(m, "freeze_embeddings", False):
+        raise ConfigError(f"model.freeze_embeddings applies to model=hf (a fine-tuned Hugging Face model), not "
+                          f"model.name={m.name!r}")
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    check_heads(m.d_model, m.n_heads, tp, key="model.", tp_key="parallel.tp", world_size=world_size)
 
-    dims = ParallelDims.resolve(cfg.parallel.tp, cfg.parallel.dp, world_size)
-    check_heads(m.d_model, m.n_heads, dims.tp, key="model.", tp_key="parallel.tp", world_size=world_size)
-    _validate_head(cfg)
-    return dims
+
+def _validate_hf_model(cfg) -> None:
+    """``model=hf``: a save_pretrained directory whose positions cover ``data.seq_len`` and whose
+    vocabulary holds the tokenizer's ids (its own, or a BPE trained with ``data.vocab_size``)."""
+    try:
+        path = cfg.model.path
+    except MissingMandatoryValue:  # conf/model/hf.yaml's ???: Hydra's own message names no fix
+        path = None
+    source = HFDirectory.open(path)
+    if source.max_positions is not None and cfg.data.seq_len > source.max_positions:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
+                          f"{source.max_positions} ({source.path / 'config.json'})")
+    if source.tokenizer() is None and cfg.data.vocab_size > source.vocab_size:
+        raise ConfigError(f"model.path={cfg.model.path!r} has no tokenizer.json, so a BPE is trained on the corpus with "
+                          f"data.vocab_size={cfg.data.vocab_size} entries, more than the model's vocab_size="
+                          f"{source.vocab_size}: set data.vocab_size<={source.vocab_size}")
+    if cfg.model.low_rank:
+        raise ConfigError("model.low_rank builds bigdense's GPT with low-rank layers; it does not apply to model=hf")
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel=true splits bigdense's GPT along the sequence; model=hf is "
+                          "converted by its own Hugging Face plan, whose sequence_parallel entries decide that")
 
 
 def _check_init_from(init_from) -> None:

@@ -10,9 +10,9 @@ from .cache import cache_root
 from .corpus import list_files, read_corpus, split_files
 from .file_classes import FileWindows
 from .prepare import Data, prepare_data
-from .tokenizer import EOT, BPETokenizer, token_dtype
+from .tokenizer import EOT, BPETokenizer, TokenizerFile, token_dtype
 
 __all__ = [
-    "prepare_data", "Data", "BPETokenizer", "BatchSampler", "eval_batches", "list_files", "read_corpus",
+    "prepare_data", "Data", "BPETokenizer", "TokenizerFile", "BatchSampler", "eval_batches", "list_files", "read_corpus",
     "split_files", "cache_root", "token_dtype", "EOT", "FileWindows",
 ]

@@ -14,13 +14,13 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from ..durable import fsync_tree, hidden_sibling, rename_into_place
 from .corpus import CorpusFile, read_corpus
-from .tokenizer import BPETokenizer, library_version
+from .tokenizer import EOT, BPETokenizer, TokenizerFile, library_version
 
 # Bump when the contents of a cache folder change meaning (tokenizer options, array layout, ...).
 FORMAT_VERSION = 1
@@ -33,10 +33,12 @@ def cache_root(cache_dir: str | None) -> Path:
     return Path(root).expanduser()
 
 
-def fingerprint(source: str, root: Path, files: Sequence[CorpusFile], vocab_size: int, val_fraction: float) -> str:
+def fingerprint(source: str, root: Path, files: Sequence[CorpusFile], vocab_size: int, val_fraction: float,
+                tokenizer: Optional[TokenizerFile] = None) -> str:
     """Hex digest of the inputs of a build. Files count by relative path and size (not contents, not
     mtime), so identical installs on different machines agree; a file edited in place to the same
-    size is not noticed. ``files`` of a ``files`` source are also keyed by their directory."""
+    size is not noticed. ``files`` of a ``files`` source are also keyed by their directory. A
+    model's own ``tokenizer`` counts by its contents (one cache per tokenizer)."""
     doc = {
         "format": FORMAT_VERSION,
         "tokenizers": library_version(),
@@ -47,6 +49,8 @@ def fingerprint(source: str, root: Path, files: Sequence[CorpusFile], vocab_size
         "vocab_size": vocab_size,
         "val_fraction": val_fraction,
     }
+    if tokenizer is not None:
+        doc["tokenizer"] = tokenizer.digest()
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -74,14 +78,16 @@ def load(path: Path, key: str, vocab_size: int) -> Loaded | None:
         val = np.load(path / "val.npy", mmap_mode="r")
         if (len(train), len(val)) != (manifest["train_tokens"], manifest["val_tokens"]):
             return None
-        tokenizer = BPETokenizer.load(path / "tokenizer.json", vocab_size)
+        tokenizer = BPETokenizer.load(path / "tokenizer.json", vocab_size, manifest.get("eot", EOT))
     except Exception:  # any unreadable or inconsistent folder is a miss, to be rebuilt
         return None
     return Loaded(tokenizer, train, val, manifest)
 
 
-def build(path: Path, key: str, files: Sequence[CorpusFile], vocab_size: int, val_fraction: float) -> dict:
-    """Read, train, encode and publish the cache at ``path``; returns the manifest.
+def build(path: Path, key: str, files: Sequence[CorpusFile], vocab_size: int, val_fraction: float,
+          tokenizer_file: Optional[TokenizerFile] = None) -> dict:
+    """Read, train (unless ``tokenizer_file`` gives the tokenizer), encode and publish the cache at
+    ``path``; returns the manifest.
 
     Safe against a concurrent builder of the same key (the first rename wins, the other result is
     dropped) and against interruption (nothing appears under ``path`` until it is complete).
@@ -90,7 +96,7 @@ def build(path: Path, key: str, files: Sequence[CorpusFile], vocab_size: int, va
     corpus = read_corpus(files, val_fraction)
     if not corpus.train:
         raise ValueError("no training text: every file of the training split is empty or not UTF-8")
-    tokenizer = BPETokenizer.train(corpus.train, vocab_size)
+    tokenizer = tokenizer_file.load() if tokenizer_file else BPETokenizer.train(corpus.train, vocab_size)
     train = tokenizer.encode_documents(corpus.train)
     val = tokenizer.encode_documents(corpus.val)
     manifest = {
@@ -104,6 +110,8 @@ def build(path: Path, key: str, files: Sequence[CorpusFile], vocab_size: int, va
         "val_tokens": int(len(val)),
         "vocab_size": vocab_size,
         "trained_vocab_size": tokenizer.trained_vocab_size,
+        "eot": tokenizer.eot,
+        "tokenizer": str(tokenizer_file.path) if tokenizer_file else "trained",
         "tokenizers": library_version(),
         "build_s": round(time.perf_counter() - t0, 2),
     }

@@ -17,7 +17,7 @@ from ..errors import ConfigError, check_positive
 from . import cache
 from .batches import BatchSampler, _check_length, eval_batches
 from .corpus import list_files, source_root
-from .tokenizer import MIN_VOCAB, BPETokenizer
+from .tokenizer import MIN_VOCAB, BPETokenizer, TokenizerFile
 
 log = logging.getLogger("bigdense")
 
@@ -73,7 +73,7 @@ class Data:
         return (
             f"{m['files']} files, {m['bytes'] / 1e6:.1f} MB ({m['train_files']} train / {m['val_files']} held out{skipped}); "
             f"{len(self.train_tokens):,} train + {len(self.val_tokens):,} val tokens; "
-            f"vocab {self.tokenizer.vocab_size} ({self.tokenizer.trained_vocab_size} trained); "
+            f"vocab {self.tokenizer.vocab_size} ({self.tokenizer.trained_vocab_size} {m.get('tokenizer', 'trained')}); "
             f"cache {self.cache_path}, {how}"
         )
 
@@ -138,17 +138,22 @@ def _everywhere(selected: bool, fn: Callable[[], None], rank: int) -> None:
 BUILD_S_PER_MB = (0.5, 2.0)
 
 
-def announce_build(files, vocab_size: int, path: Path) -> None:
+def announce_build(files, vocab_size: int, path: Path, tokenizer: Optional[TokenizerFile] = None) -> None:
     mb = sum(f.take for f in files) / 2**20
     low, high = (max(2.0, rate * mb) for rate in BUILD_S_PER_MB)
-    log.info("data: first use of this corpus: training a %d-entry byte-level BPE vocabulary on %.1f MB of text "
-             "(%d files) and tokenizing it into %s; this takes %.0f-%.0f s, depending on the machine (cached "
-             "afterwards)", vocab_size, mb, len(files), path, low, high)
+    how = (f"tokenizing {mb:.1f} MB of text with {tokenizer.path}" if tokenizer else
+           f"training a {vocab_size}-entry byte-level BPE vocabulary on {mb:.1f} MB of text and tokenizing it")
+    log.info("data: first use of this corpus with this tokenizer: %s (%d files) into %s; this takes %.0f-%.0f "
+             "s, depending on the machine (cached afterwards)", how, len(files), path, low, high)
 
 
-def prepare_data(cfg, ctx=None, *, seed: int = 0) -> Data:
+def prepare_data(cfg, ctx=None, *, seed: int = 0, tokenizer: Optional[TokenizerFile] = None) -> Data:
     """Build (once, on the main rank) or find the cache for ``cfg`` (a `DataConfig` or the ``data``
     node of a Hydra config), then memory-map it on every rank.
+
+    ``tokenizer``: the model's own tokenizer (a fine-tuned model's ``tokenizer.json``), which then
+    encodes the corpus and sets the vocabulary size, instead of a BPE trained on the corpus with
+    ``data.vocab_size`` entries; the cache is kept per tokenizer.
 
     ``seed`` fixes the training batches (pass ``trainer.seed``). Every rank must call this together
     when torch.distributed is initialised. If the cache folder is not shared between machines, the
@@ -159,10 +164,11 @@ def prepare_data(cfg, ctx=None, *, seed: int = 0) -> Data:
 
     check_data(cfg)
     ctx = ctx if ctx is not None else get_default_context()
+    vocab_size = tokenizer.vocab_size if tokenizer else cfg.vocab_size
     t0 = time.perf_counter()
     try:
         root, files = list_files(cfg.source, cfg.path, cfg.pattern, cfg.max_corpus_mb)
-        key = cache.fingerprint(cfg.source, root, files, cfg.vocab_size, cfg.val_fraction)
+        key = cache.fingerprint(cfg.source, root, files, vocab_size, cfg.val_fraction, tokenizer)
     except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then re-raised
         if not _distributed():
             raise
@@ -187,9 +193,9 @@ def prepare_data(cfg, ctx=None, *, seed: int = 0) -> Data:
     built = []
 
     def build_if_missing() -> None:
-        if cache.load(path, key, cfg.vocab_size) is None:
-            announce_build(files, cfg.vocab_size, path)
-            manifest = cache.build(path, key, files, cfg.vocab_size, cfg.val_fraction)
+        if cache.load(path, key, vocab_size) is None:
+            announce_build(files, vocab_size, path, tokenizer)
+            manifest = cache.build(path, key, files, vocab_size, cfg.val_fraction, tokenizer)
             log.info("data: built in %.1f s; later runs with this corpus and vocabulary load it in a second",
                      manifest["build_s"])
             built.append(True)
@@ -197,7 +203,7 @@ def prepare_data(cfg, ctx=None, *, seed: int = 0) -> Data:
     _everywhere(ctx.is_main, build_if_missing, ctx.rank)
     if _distributed():  # a cache folder local to each machine: its first rank builds it too
         _everywhere(_local_rank(ctx.rank) == 0 and not ctx.is_main, build_if_missing, ctx.rank)
-    loaded = cache.load(path, key, cfg.vocab_size)
+    loaded = cache.load(path, key, vocab_size)
     if loaded is None:
         raise RuntimeError(f"the data cache {path} is missing or unreadable right after it was built")
     return Data(

@@ -1,11 +1,16 @@
-"""Byte-level BPE, trained locally with the HuggingFace ``tokenizers`` library.
+"""The tokenizer of a run: byte-level BPE trained locally with the HuggingFace ``tokenizers``
+library, or a model's own ``tokenizer.json`` (`TokenizerFile`, a fine-tuned Hugging Face model's).
 
 Byte level means every string encodes (the 256 byte symbols are always in the vocabulary) and
-``decode(encode(s)) == s`` exactly: no normalisation, no added prefix space.
+``decode(encode(s)) == s`` exactly: no normalisation, no added prefix space. A model's own file
+keeps whatever it defines; documents end with its end-of-sequence token.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -25,20 +30,40 @@ def library_version() -> str:
     return tokenizers.__version__
 
 
+@dataclass(frozen=True)
+class TokenizerFile:
+    """A tokenizer that comes with the model (``tokenizer.json``), not trained on the corpus:
+    ``eot`` ends each document (the model's end-of-sequence token), ``vocab_size`` is the model's
+    embedding size, which must hold every id of the file."""
+
+    path: Path
+    eot: str
+    vocab_size: int
+
+    def digest(self) -> str:
+        """What identifies the tokenizer in the data cache's key: its file's contents and ``eot``."""
+        return hashlib.sha256(Path(self.path).read_bytes() + b"\0" + self.eot.encode()).hexdigest()
+
+    def load(self) -> "BPETokenizer":
+        return BPETokenizer.load(self.path, self.vocab_size, eot=self.eot)
+
+
 class BPETokenizer:
     """Text <-> ids. ``vocab_size`` is the configured size, which the model's embedding and head use;
-    ``trained_vocab_size`` (<= ``vocab_size``) is how many entries training found in the corpus.
-    Ids in between are never produced (a small corpus can run out of merges)."""
+    ``trained_vocab_size`` (<= ``vocab_size``) is how many entries the tokenizer has (training may
+    find fewer in a small corpus). Ids in between are never produced. ``eot`` ends every document."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, eot: str = EOT):
         self._tok = tokenizer
         self.trained_vocab_size = tokenizer.get_vocab_size()
         if self.trained_vocab_size > vocab_size:
-            raise ValueError(f"the tokenizer has {self.trained_vocab_size} entries, more than data.vocab_size={vocab_size}")
+            raise ValueError(f"the tokenizer has {self.trained_vocab_size} entries, more than the model's "
+                             f"vocabulary of {vocab_size} (data.vocab_size, or a model's config.json vocab_size)")
         self.vocab_size = vocab_size
-        self.eot_id = tokenizer.token_to_id(EOT)
+        self.eot = eot
+        self.eot_id = tokenizer.token_to_id(eot)
         if self.eot_id is None:
-            raise ValueError(f"the tokenizer has no {EOT} token")
+            raise ValueError(f"the tokenizer has no {eot} token")
 
     @classmethod
     def train(cls, texts: Sequence[str], vocab_size: int) -> "BPETokenizer":
@@ -60,10 +85,10 @@ class BPETokenizer:
         return cls(tok, vocab_size)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, vocab_size: int) -> "BPETokenizer":
+    def load(cls, path: str | os.PathLike, vocab_size: int, eot: str = EOT) -> "BPETokenizer":
         from tokenizers import Tokenizer
 
-        return cls(Tokenizer.from_file(str(path)), vocab_size)
+        return cls(Tokenizer.from_file(str(path)), vocab_size, eot)
 
     def save(self, path: str | os.PathLike) -> None:
         self._tok.save(str(path))

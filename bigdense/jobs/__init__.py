@@ -3,8 +3,8 @@ config (`models`), apply parallelism to it in one fixed order (`parallelize`), a
 error handling both launchers share (`run`). `launch/train.py` and `launch/classify.py` read top to
 bottom on these; so do `python -m bigdense.compress` and the memory planner's measurement.
 """
-from .models import build_gpt, build_text_classifier
+from .models import build_gpt, build_hf, build_text_classifier, model_tokenizer
 from .parallelize import Parallelized, parallelize_model
 from .setup import Run, start_run
 
-__all__ = ["build_gpt", "build_text_classifier", "Parallelized", "parallelize_model", "Run", "start_run"]
+__all__ = ["build_gpt", "build_hf", "model_tokenizer", "build_text_classifier", "Parallelized", "parallelize_model", "Run", "start_run"]

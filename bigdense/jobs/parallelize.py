@@ -4,9 +4,11 @@ bigdense.compress`, the memory planner's measurement).
 
 1. Tensor parallelism. bigdense's models are built sharded over the mesh's TP group from their
    config (`bigdense.jobs.models`); any other module is converted by `bd.parallelize` (its own
-   Hugging Face plan, or the automatic Linear pairs).
-2. The starting weights (``init_from``: a checkpoint of any layout), loaded into the plain model
-   before an engine takes copies of them (DeepSpeed's fp32 masters).
+   Hugging Face plan, or the automatic Linear pairs); a `CausalLM`'s transformers model by its plan.
+2. The starting weights, loaded into the plain model before an engine takes copies of them
+   (DeepSpeed's fp32 masters): ``init_from`` (a checkpoint of any layout), else a Hugging Face
+   model's own directory (`load_hf_weights`, each rank reading its shards; a model built on the
+   meta device is allocated first). Then frozen embeddings (``model.freeze_embeddings``).
 3. ``torch.compile`` of each transformer block (``trainer.compile``).
 4. Activation checkpointing (the ``recompute`` group), around the compiled blocks.
 5. The engine (the ``engine`` group): data parallelism, precision, the optimizer, clipping.
@@ -23,8 +25,10 @@ from typing import Optional
 import torch.nn as nn
 
 from ..checkpoint import CheckpointMismatch, load_checkpoint
+from ..checkpoint.hf_import import load_hf_weights
 from ..errors import ConfigError
-from ..layers.base import TensorParallelModule
+from ..layers.base import TensorParallelModule, allocate_empty
+from ..models import CausalLM
 from ..parallel.context import ParallelContext
 from ..parallelize import parallelize
 from ..train.checkpointing import model_changes
@@ -45,15 +49,26 @@ class Parallelized:
 
 
 def parallelize_model(model: nn.Module, ctx: ParallelContext, cfg, *, init_from: Optional[str] = None,
-                      engine: bool = True) -> Parallelized:
+                      load_pretrained: bool = True, engine: bool = True) -> Parallelized:
     """Apply the run config ``cfg``'s parallelism to ``model`` on ``ctx``'s mesh (see the module
-    docstring for the order). ``engine=False`` stops before the engine (a job that only runs the
-    model: compression); the model's blocks are ``model.blocks``."""
-    if not _is_sharded(model) and ctx.tp_size > 1:
+    docstring for the order). ``load_pretrained=False`` skips a Hugging Face model's own weights (a
+    resumed run reads its checkpoint instead). ``engine=False`` stops before the engine (a job that
+    only runs the model: compression); the model's blocks are ``model.blocks``."""
+    if isinstance(model, CausalLM) and ctx.tp_size > 1:
+        model.lm = parallelize(model.lm, tp_group=ctx.tp_group)  # by the transformers model's own plan
+    elif not _is_sharded(model) and ctx.tp_size > 1:
         model = parallelize(model, tp_group=ctx.tp_group)
+    if any(p.device.type == "meta" for p in model.parameters()):
+        allocate_empty(model, ctx.device)
     if init_from:
         meta = _load_starting_weights(init_from, model, cfg)
         log.info("model weights from %s (saved at step %s)", meta.path, meta.step)
+    elif load_pretrained and getattr(model, "pretrained", None):
+        unused = load_hf_weights(model, model.pretrained)
+        log.info("model weights from %s%s", model.pretrained, f" ({len(unused)} stored tensors unused: "
+                 f"{unused[:4]})" if unused else "")
+    if getattr(cfg.model, "freeze_embeddings", False):
+        log.info("frozen (model.freeze_embeddings): %s", ", ".join(model.freeze_embeddings()))
     blocks = getattr(model, "blocks", None)
     if blocks is None and (cfg.trainer.compile or cfg.recompute.mode != "none"):
         raise ConfigError(f"trainer.compile and recompute.mode act on a model's transformer blocks (its `blocks`); "

@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.format import RUN_CHECKPOINTS, read_manifest, resolve_checkpoint
+from ..checkpoint.hf_export import RUN_HF
 from ..config import validate
+from ..models.hf_dir import HFDirectory
 from ..parallel.context import ParallelContext, init_parallel
 from ..train.faults import require_writable
 
@@ -35,12 +37,19 @@ class Run:
     def checkpoint_dir(self) -> Path:
         return self.run_dir / RUN_CHECKPOINTS
 
+    @property
+    def hf_dir(self) -> Path:
+        """Where a fine-tune keeps its Hugging Face config and tokenizer files, for `bigdense.export_hf`."""
+        return self.run_dir / RUN_HF
+
     def label(self, cfg) -> str:
         """The run's name, model and layout, for a plot's title:
-        ``"gpt-a: gpt d=256 x 4 layers, tp=2 x dp=1, fp32, ddp"``."""
+        ``"gpt-a: gpt d=256 x 4 layers, tp=2 x dp=1, fp32, ddp"`` (model=hf: ``"llama from DIR"``)."""
         m = cfg.model
-        return (f"{self.run_dir.name}: {m.name} d={m.d_model} x {m.n_layers} layers, tp={self.ctx.tp_size} x "
-                f"dp={self.ctx.dp_size}, {cfg.precision.dtype}, {cfg.engine.kind}")
+        model = (f"{HFDirectory.open(m.path).config['model_type']} from {m.path}" if m.name == "hf" else
+                 f"{m.name} d={m.d_model} x {m.n_layers} layers")
+        return (f"{self.run_dir.name}: {model}, tp={self.ctx.tp_size} x dp={self.ctx.dp_size}, {cfg.precision.dtype}, "
+                f"{cfg.engine.kind}")
 
     def describe_outputs(self, files, tensorboard_dir=None) -> str:
         """What the run directory holds at the end: ``files`` written, the checkpoints (how many,

@@ -8,6 +8,8 @@ Megatron-style attributes DeepSpeed reads, and ``gather_param``.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -150,6 +152,41 @@ def named_shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
             for name, spec in report().items():
                 specs[f"{prefix}.{name}" if prefix else name] = spec
     return specs
+
+
+def global_numel(module: nn.Module) -> int:
+    """Parameters of ``module`` as if unsharded: each sharded one by its global shape, a tied one once."""
+    specs, seen, total = named_shard_specs(module), set(), 0
+    for name, p in module.named_parameters():  # a tied parameter is yielded once
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += math.prod(specs[name].global_shape) if name in specs else p.numel()
+    return total
+
+
+def allocate_empty(module: nn.Module, device) -> nn.Module:
+    """Give a module built with its parameters on the meta device uninitialised storage on
+    ``device`` (to be filled by a load). A tied parameter stays one parameter, and each keeps its
+    ``requires_grad`` and attributes (shard specs); buffers that hold values (built off the meta
+    device, such as rotary frequencies) keep them. (``Module.to_empty`` makes a new parameter per
+    module from the meta device, which unties a tied head.)"""
+    made: dict[int, torch.Tensor] = {}
+
+    def allocated(tensor: torch.Tensor, is_param: bool) -> torch.Tensor:
+        if id(tensor) not in made:
+            fresh = torch.empty_like(tensor, device=device) if tensor.is_meta else tensor.detach().to(device)
+            if is_param:
+                fresh = nn.Parameter(fresh, requires_grad=tensor.requires_grad)
+                fresh.__dict__.update(tensor.__dict__)
+            made[id(tensor)] = fresh
+        return made[id(tensor)]
+
+    for sub in module.modules():
+        for slots, is_param in ((sub._parameters, True), (sub._buffers, False)):
+            for name, tensor in slots.items():
+                if tensor is not None:
+                    slots[name] = allocated(tensor, is_param)
+    return module
 
 
 def materialize(module: nn.Module, device="cpu") -> nn.Module:

@@ -37,7 +37,7 @@ from ..layers import (
     VocabParallelEmbedding,
     tie_weights,
 )
-from ..layers.base import sequence_dropout
+from ..layers.base import global_numel, sequence_dropout
 from ..parallel.context import resolve_tp_group
 from ..parallel.comm import group_rank, group_size
 from ..parallel.dropout import tp_dropout
@@ -255,15 +255,10 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.head(self.hidden(idx), targets)
 
+    def depth_and_width(self) -> tuple[int, int]:
+        """``(layers, d_model)``, for the FLOPs of a token (`bigdense.train.flops`)."""
+        return self.cfg.n_layers, self.cfg.d_model
+
     def num_parameters(self) -> dict[str, int]:
         """Global parameter counts (unsharded), total and of the largest dense layer (the head)."""
-        total = 0
-        seen = set()
-        for module in self.modules():
-            specs = module.bd_shard_specs() if hasattr(module, "bd_shard_specs") else {}
-            for name, p in module.named_parameters(recurse=False):
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                total += math.prod(specs[name].global_shape) if name in specs else p.numel()
-        return {"total": total, "head": self.cfg.vocab_size * self.cfg.d_model}
+        return {"total": global_numel(self), "head": self.cfg.vocab_size * self.cfg.d_model}

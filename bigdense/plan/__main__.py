@@ -7,6 +7,7 @@ as the overrides to paste into ``torchrun launch/train.py``. ``--json PATH`` wri
 
     python -m bigdense.plan model=gpt_small parallel.tp=2 parallel.dp=4 precision=bf16 plan.device_gb=80
     python -m bigdense.plan model=gpt_small plan.devices=8 plan.device_gb=24 --suggest
+    python -m bigdense.plan model=hf model.path=DIR parallel.tp=2      # a Hugging Face fine-tune
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ..config import ConfigError, PlanConfig, register_configs
 from .config import estimate_config, suggest
 from .estimate import GiB
+from .layout import Layout
 
 DEFAULT_CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -76,9 +78,10 @@ def main(argv=None) -> int:
         print(f"\n{len(suggestions)} layouts fit {plan.device_gb:g} GiB x {devices} devices "
               f"(fastest first; estimated step time, peak per rank; every one at precision={cfg.precision.dtype}: "
               f"precision is not searched):")
+        kept = [o for o in train_items if not Layout.sets(o)]  # the model, the data: the same in every layout
         for rank, s in enumerate(suggestions[: plan.top], 1):
             print(f"{rank:3d}. {s.step_time_s * 1e3:9.1f} ms  {s.total_bytes / GiB:7.2f} GiB  "
-                  f"torchrun launch/train.py {' '.join(s.layout.overrides())}")
+                  f"torchrun launch/train.py {' '.join(kept + s.layout.overrides())}")
     if args.json:
         out = {"overrides": train_items, "plan": OmegaConf.to_container(plan), "estimate": est and est.to_json(),
                "suggestions": [s.to_json() for s in suggestions]}

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 from ..config import ConfigError, validate, validate_plan
 from ..parallel.context import ParallelDims
-from .estimate import GiB, Estimate, estimate
+from .estimate import GiB, Estimate, estimate, model_shape
+from .hf import meta_causal_lm
 from .layout import Layout
 
 
@@ -54,6 +55,17 @@ def meta_gpt(cfg):
         return GPT(GPTConfig.from_config(cfg.model, int(cfg.data.vocab_size)))
 
 
+def meta_hf(cfg):
+    """``model=hf``: the Hugging Face causal LM of ``model.path`` on the meta device, in the job's
+    `CausalLM`, its embeddings frozen with ``model.freeze_embeddings`` (only config.json is read)."""
+    return meta_causal_lm(cfg.model.path, freeze_embeddings=bool(cfg.model.freeze_embeddings))
+
+
+def meta_model(cfg):
+    """The model the job of ``cfg`` trains, on the meta device."""
+    return meta_hf(cfg) if cfg.model.name == "hf" else meta_gpt(cfg)
+
+
 def _overhead_gb(plan) -> float:
     if plan.overhead_gb is not None:
         return float(plan.overhead_gb)
@@ -78,13 +90,12 @@ def step_time(est: Estimate, model_shape, plan) -> float:
 
 def estimate_config(cfg, plan, layout: Optional[Layout] = None, model=None) -> Estimate:
     """The estimate of the job ``cfg`` describes (or of ``layout`` over the same model and data)."""
-    from .gpt import GPTShape
-
     devices = check(cfg, plan)
     layout = layout or layout_of(cfg, plan, devices)
-    model = model if model is not None else meta_gpt(cfg)
-    est = estimate(model, layout=layout, seq_len=int(cfg.data.seq_len), overhead_gb=_overhead_gb(plan))
-    est.step_time_s = step_time(est, GPTShape.from_model(model, int(cfg.data.seq_len)), plan)
+    model = model if model is not None else meta_model(cfg)
+    seq_len = int(cfg.data.seq_len)
+    est = estimate(model, layout=layout, seq_len=seq_len, overhead_gb=_overhead_gb(plan))
+    est.step_time_s = step_time(est, model_shape(model, seq_len), plan)
     return est
 
 
@@ -98,7 +109,9 @@ def _with_layout(cfg, layout: Layout):
 def candidates(cfg, devices: int, base: Layout) -> list[Layout]:
     """Layouts of the same devices and global batch: tp x dp, micro-batch, recompute, ZeRO, SP."""
     global_batch = base.micro_batch_size * base.grad_accum * base.dp
-    sp_options = (False, True) if hasattr(cfg.parallel, "sequence_parallel") else (False,)
+    # Sequence parallelism is the reference GPT's (`GPTConfig.from_config`); `bd.parallelize` has none.
+    gpt = cfg.model.name != "hf"
+    sp_options = (False, True) if gpt and hasattr(cfg.parallel, "sequence_parallel") else (False,)
     out = []
     for tp in [t for t in range(1, devices + 1) if devices % t == 0]:
         dp = devices // tp
@@ -120,7 +133,7 @@ def suggest(cfg, plan) -> list[Estimate]:
     validate_plan(plan)
     devices = planned_devices(cfg, plan)  # the config's own layout need not be valid, only the candidates
     base = layout_of(cfg, plan, devices)
-    model = meta_gpt(cfg)
+    model = meta_model(cfg)
     fitting = []
     for layout in candidates(cfg, devices, base):
         try:

@@ -10,12 +10,13 @@ shared by several modules (tied embedding and head) is one entry.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Optional
 
 import torch.nn as nn
 
 from ..layers.base import TensorParallelModule
+from ..models import CausalLM
 from ..parallel.sharding import shard_sizes
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ def param_entries(model: nn.Module, plan: Optional[Mapping] = None, tp: Optional
     """
     from ..parallelize.convert import planned_splits  # how `parallelize` would split each parameter
 
+    if isinstance(model, CausalLM):  # the job converts the transformers model it wraps, by that model's plan
+        return [replace(e, name=f"lm.{e.name}") for e in param_entries(model.lm, plan, tp)]
     has_tp_layers = any(isinstance(m, TensorParallelModule) for m in model.modules())
     planned = planned_splits(model, plan, tp) if (plan is not None or not has_tp_layers) else {}
     entries, seen = [], set()

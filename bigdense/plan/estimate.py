@@ -6,9 +6,13 @@ The peak is the largest of the moments a step passes through, each a sum of what
 * ``forward`` -- the end of the forward, inside the loss head: parameters, optimizer state,
   gradients that persist between steps (DDP buckets when dp > 1, accumulation over micro-batches,
   ZeRO partitions), every stored activation, the head's gradients (the fused cross-entropy forms
-  them in the forward) and one chunk of logits;
+  them in the forward) and one chunk of logits (a Hugging Face model: all the logits, their fp32
+  copy and log-softmax's output);
+* ``loss_backward`` (a Hugging Face model, `bigdense.plan.hf`) -- log-softmax's backward over the
+  full logits: three fp32 logits-sized tensors beside every stored activation;
 * ``backward`` -- the first block's backward: the same, the head's gradients, and the block's
-  gradients of activations (and its recomputed activations);
+  gradients of activations (and its recomputed activations); for a Hugging Face model the largest
+  of its layers' backwards, each with the parameter gradients formed before it;
 * ``backward_end`` -- every gradient; with a tied embedding and head, the embedding's dense
   gradient and its sum with the head's gradient, both alive next to the head's;
 * ``optimizer`` -- every gradient and the optimizer's temporaries (none for the DDP engine's fused
@@ -26,8 +30,11 @@ from typing import Mapping, Optional
 
 import torch.nn as nn
 
+from ..models import CausalLM
+from ..models.gpt import GPT
 from .count import count_per_rank, param_entries
 from .gpt import GPTMemory, GPTShape
+from .hf import HFMemory, HFShape, is_causal_lm
 from .layout import Layout
 
 GiB = 2**30
@@ -107,6 +114,32 @@ def _state_bytes(params: int, trainable: int, largest: int, layout: Layout) -> d
             "optimizer_temporaries": temporaries}
 
 
+def _kind(model: nn.Module) -> Optional[str]:
+    """The one place the kinds of model the planner knows are told apart: the reference GPT
+    (`bigdense.models.GPT`), a Hugging Face causal LM (a `CausalLM`, or the transformers model), or None."""
+    if isinstance(model, GPT):
+        return "gpt"
+    return "hf" if is_causal_lm(model) else None
+
+
+def model_shape(model: nn.Module, seq_len: int):
+    """The sizes of a known model (`GPTShape`, `HFShape`: ``d_model``, ``n_layers``, ``seq_len``, ...), else None."""
+    kind = _kind(model)
+    if kind == "gpt":
+        return GPTShape.from_model(model, seq_len)
+    return HFShape.from_config((model.lm if isinstance(model, CausalLM) else model).config, seq_len) if kind else None
+
+
+def activation_model(model: nn.Module, seq_len: Optional[int], layout: Layout, entries) -> Optional[object]:
+    """The activation model of ``model``'s kind: `GPTMemory`, `HFMemory` (``model=hf``), or None
+    (parameters, gradients and optimizer state only). Each answers ``moments``, ``categories``,
+    ``per_layer`` and ``flops_per_micro_batch``. ``entries``: ``model``'s `param_entries`."""
+    kind = _kind(model) if seq_len else None
+    if kind == "gpt":
+        return GPTMemory(model_shape(model, seq_len), layout)
+    return HFMemory.of(model, seq_len, layout, entries) if kind == "hf" else None
+
+
 def estimate(
     model: nn.Module,
     plan: Optional[Mapping] = None,
@@ -125,9 +158,11 @@ def estimate(
     would shard them (``plan=None``: its automatic plan, for a model without bigdense layers).
     ``tp``/``dp`` and ``layout_options`` (the fields of `Layout`: ``precision``, ``engine``,
     ``zero_stage``, ``micro_batch_size``, ``grad_accum``, ``recompute``, ``sequence_parallel``,
-    ``device_type``) describe the step, or pass a whole ``layout``. For the reference GPT
-    (`bigdense.models.GPT`) with ``seq_len`` the activations, the loss head's working set and the
-    FLOPs are estimated too; for other modules only parameters, gradients and optimizer state.
+    ``device_type``) describe the step, or pass a whole ``layout``. With ``seq_len``, for the
+    reference GPT (`bigdense.models.GPT`) and for a Hugging Face causal LM (a `CausalLM`, or the
+    transformers model itself, counted by its own plan) the activations, the loss's working set and
+    the FLOPs are estimated too (`activation_model`); for other modules only parameters, gradients
+    and optimizer state.
     """
     layout = layout or Layout(tp=tp, dp=dp, **layout_options)
     entries = param_entries(model, plan, layout.tp)
@@ -139,31 +174,23 @@ def estimate(
     cats = {k: states[k] for k in ("params", "grads", "optimizer")}
     est = Estimate(layout, sum(e.numel for e in entries), params, cats, overhead_bytes=int(overhead_gb * GiB))
 
-    from ..models.gpt import GPT
-
-    gpt = GPTMemory(GPTShape.from_model(model, seq_len), layout) if isinstance(model, GPT) and seq_len else None
+    memory = activation_model(model, seq_len, layout, entries)
     base = states["params"] + states["optimizer"] + states["buckets"]
     persistent_grads = states["grads"] if (
         layout.grad_accum > 1 or layout.engine == "deepspeed" or layout.dp > 1) else 0
-    if gpt is None:
+    if layout.engine == "ddp" and layout.dp > 1 and layout.grad_accum > 1:
+        # Under no_sync the micro-batches before the last accumulate into their own .grad tensors,
+        # beside DDP's buckets (which the last one's gradients are views of): both are alive.
+        persistent_grads += states["grads"]
+    if memory is None:
         est.phases = {"optimizer": base + states["grads"] + states["optimizer_temporaries"]}
-    else:
-        acts, head = gpt.stored_bytes(), gpt.head_bytes()
-        shard = -(-gpt.shape.vocab_size // layout.tp) * gpt.shape.d_model * layout.param_bytes  # the largest rank
-        tied_emb = 2 * shard if gpt.shape.tie_embeddings else 0
-        est.phases = {
-            "forward": base + persistent_grads + acts + head["grads"] + head["chunk"],
-            "backward": base + max(persistent_grads, head["grads"]) + acts + gpt.backward_block_bytes(),
-            "backward_end": base + states["grads"] + tied_emb,
-            "optimizer": base + states["grads"] + states["optimizer_temporaries"],
-        }
-        cats["activations"] = acts
-        cats["head_loss"] = head["grads"] + head["chunk"]
-        est.activations_per_layer = [(n, int(b)) for n, b in gpt.per_layer()]
-        est.flops_per_step = gpt.flops_per_micro_batch() * layout.grad_accum
-        cats["comm_buffers"] = states["buckets"] + gpt.u * gpt.c  # + the TP all-reduce's output copy
-    if "comm_buffers" not in cats:
         cats["comm_buffers"] = states["buckets"]
+    else:
+        est.phases = memory.moments(base, persistent_grads, states["grads"], states["optimizer_temporaries"])
+        cats.update(memory.categories())
+        cats["comm_buffers"] = states["buckets"] + cats.pop("comm_buffers")  # after the activations, as printed
+        est.activations_per_layer = [(n, int(b)) for n, b in memory.per_layer()]
+        est.flops_per_step = memory.flops_per_micro_batch() * layout.grad_accum
     cats["overhead"] = est.overhead_bytes
     est.bytes_per_rank = {k: int(v) for k, v in cats.items()}
     est.peak_phase, peak = max(est.phases.items(), key=lambda kv: kv[1])

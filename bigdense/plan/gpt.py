@@ -176,6 +176,27 @@ class GPTMemory:
             work += self.u * self.f  # the hidden states gathered along the sequence
         return {"grads": grads, "chunk": work}
 
+    # ---- the step ----
+    def moments(self, base: float, persistent_grads: float, grads: float, temporaries: float) -> dict[str, float]:
+        """Bytes alive at each moment of the step (`bigdense.plan.estimate` says which), given
+        ``base`` (parameters, optimizer state, buckets), the gradients kept between steps, all the
+        gradients, and the optimizer's temporaries."""
+        acts, head = self.stored_bytes(), self.head_bytes()
+        shard = -(-self.shape.vocab_size // self.layout.tp) * self.shape.d_model * self.layout.param_bytes
+        tied_emb = 2 * shard if self.shape.tie_embeddings else 0  # the largest rank's
+        return {
+            "forward": base + persistent_grads + acts + head["grads"] + head["chunk"],
+            "backward": base + max(persistent_grads, head["grads"]) + acts + self.backward_block_bytes(),
+            "backward_end": base + grads + tied_emb,
+            "optimizer": base + grads + temporaries,
+        }
+
+    def categories(self) -> dict[str, float]:
+        """The activation rows of the memory table."""
+        head = self.head_bytes()
+        return {"activations": self.stored_bytes(), "head_loss": head["grads"] + head["chunk"],
+                "comm_buffers": self.u * self.c}  # the TP all-reduce's output copy
+
     # ---- FLOPs ----
     def flops_per_micro_batch(self) -> float:
         """Matmul FLOPs of one micro-batch's forward and backward on one TP rank."""

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# What a layout sets in the training config: whole groups, and single keys of others.
+LAYOUT_GROUPS = ("precision", "engine", "recompute")
+LAYOUT_KEYS = ("parallel.tp", "parallel.dp", "parallel.sequence_parallel", "data.micro_batch_size", "data.grad_accum")
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,12 @@ class Layout:
         if self.sequence_parallel:
             out["parallel.sequence_parallel"] = True
         return out
+
+    @staticmethod
+    def sets(override: str) -> bool:
+        """Whether the Hydra override ``key=value`` sets what a layout sets (its keys and groups)."""
+        key = override.split("=", 1)[0].lstrip("+~")
+        return key in LAYOUT_GROUPS or key.split(".")[0] in LAYOUT_GROUPS or key in LAYOUT_KEYS
 
     def overrides(self) -> list[str]:
         """The Hydra overrides of `launch/train.py` that select this layout."""
