@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 
-from omegaconf.errors import MissingMandatoryValue
-
 from ..checkpoint.format import CheckpointError, resolve_checkpoint
 from ..data.prepare import check_data
 from ..errors import ConfigError, check_choice, check_positive
@@ -96,6 +94,8 @@ def _validate_gpt_model(cfg, tp: int, world_size: int) -> None:
 def _validate_hf_model(cfg) -> None:
     """``model=hf``: a save_pretrained directory whose positions cover ``data.seq_len`` and whose
     vocabulary holds the tokenizer's ids (its own, or a BPE trained with ``data.vocab_size``)."""
+    from omegaconf.errors import MissingMandatoryValue  # here: bench.gpu imports this module without omegaconf
+
     try:
         path = cfg.model.path
     except MissingMandatoryValue:  # conf/model/hf.yaml's ???: Hydra's own message names no fix

@@ -56,7 +56,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 import torch.nn as nn
 
 from ..models import CausalLM
@@ -70,12 +69,8 @@ GATED_MLP_NAMES = ("gate_proj", "gate_up_proj", "w1")
 
 def meta_causal_lm(path, freeze_embeddings: bool = False) -> CausalLM:
     """The Hugging Face causal LM of the ``save_pretrained`` directory ``path`` on the meta device,
-    in a `CausalLM` (fp32 parameters, as the job builds it); nothing is read but its config.json."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(HFDirectory.open(path).auto_config(), dtype=torch.float32)
-    model = CausalLM(lm)
+    in a `CausalLM`, as the job builds it (`HFDirectory.meta_model`); nothing is read but its config.json."""
+    model = CausalLM(HFDirectory.open(path).meta_model())
     if freeze_embeddings:
         model.freeze_embeddings()
     return model
