@@ -76,19 +76,14 @@ def _transformers_process(model_dir: str) -> float:
 
 
 def sizes(model_dir: Path) -> tuple[int, int]:
-    """(bytes of every stored tensor, bytes of the largest one)."""
-    from safetensors import safe_open
+    """(bytes of every stored tensor, bytes of the largest one), read from the files' headers."""
+    from ..checkpoint.format import SafetensorsReader
 
-    total = largest = 0
+    stored = []
     for file in model_dir.glob("*.safetensors"):
-        with safe_open(file, "pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                n = torch.empty(0, dtype=torch.float32).element_size()
-                for d in sl.get_shape():
-                    n *= d
-                total, largest = total + n, max(largest, n)
-    return total, largest
+        with SafetensorsReader(file) as reader:
+            stored += [reader.nbytes(name) for name in reader.header]
+    return sum(stored), max(stored)
 
 
 def main(argv=None) -> int:
