@@ -51,7 +51,11 @@ def test_each_option_accepts_its_owners_choices_and_refuses_others(key, choices)
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"engine.kind": "deepspeed", "engine.zero_stage": 3}, re.escape(f"engine.zero_stage=3 is not one of {list(ZERO_STAGES)}")),
+    ({"engine.kind": "deepspeed", "engine.zero_stage": 4}, re.escape(f"engine.zero_stage=4 is not one of {list(ZERO_STAGES)}")),
+    # ZeRO-3 with TP is the FSDP engine's job: the message says so.
+    ({"engine.kind": "deepspeed", "engine.zero_stage": 3}, r"engine.zero_stage=3: DeepSpeed does not train ZeRO-3 "
+                                                           r"with tensor parallelism.*use engine=fsdp"),
+    ({"engine.kind": "fsdp", "engine.dp_replicate": 0}, "engine.dp_replicate must be a positive integer"),
     ({"engine.kind": "deepspeed", "precision.dtype": "fp16"}, "precision=fp16 with engine=deepspeed needs a GPU"),
     ({"engine.bucket_cap_mb": 0.0}, "engine.bucket_cap_mb must be > 0"),
     ({"data.source": "files"}, "data.source=files needs data.path"),

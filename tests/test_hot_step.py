@@ -1,5 +1,5 @@
-"""The training step a GPU would run: no host sync with checks off (fp32, bf16, fp16 at tp=2 and
-dp=2), clipping's bad arguments, MFU arithmetic and TensorBoard event files that TensorBoard reads."""
+"""The training step a GPU would run: no host sync with checks off (fp32, bf16, fp16 at tp=2, and
+at dp=2 under DDP and FSDP), clipping's bad arguments, MFU arithmetic and TensorBoard event files that TensorBoard reads."""
 import math
 import os
 
@@ -18,14 +18,14 @@ from bigdense.train.flops import PEAK_BF16_TFLOPS, flops_per_token, mfu, peak_tf
 VOCAB, SEQ, B = 61, 8, 4
 
 
-def _step_syncs(tp, dtype):
+def _step_syncs(tp, dtype, engine_kind="ddp"):
     ctx = bd.init_parallel(tp=tp)
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=VOCAB, d_model=16, n_layers=2, n_heads=2, max_seq_len=SEQ, dropout=0.1,
                     attention_dropout=0.1, head_chunk_size=8)
     model = GPT(cfg, tp_group=ctx.tp_group)
     rows = B // ctx.dp_size
-    settings = EngineSettings(engine=EngineConfig(), optim=OptimConfig(warmup_steps=2, grad_clip=1.0),
+    settings = EngineSettings(engine=EngineConfig(kind=engine_kind), optim=OptimConfig(warmup_steps=2, grad_clip=1.0),
                               precision=PrecisionConfig(dtype=dtype), micro_batch_size=rows, max_steps=10)
     engine = build_engine(model, ctx, settings)
     idx = torch.randint(0, VOCAB, (B, SEQ), generator=torch.Generator().manual_seed(1))
@@ -41,9 +41,9 @@ def _step_syncs(tp, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("tp", [2, 1])  # tp=1 on 2 processes: dp=2 through DDP
-def test_a_training_step_makes_no_host_sync_with_checks_off(tp, dtype):
-    for rank in run_ranks(_step_syncs, 2, tp, dtype):
+@pytest.mark.parametrize("tp,engine_kind", [(2, "ddp"), (1, "ddp"), (1, "fsdp")])  # tp=1 on 2 processes: dp=2
+def test_a_training_step_makes_no_host_sync_with_checks_off(tp, engine_kind, dtype):
+    for rank in run_ranks(_step_syncs, 2, tp, dtype, engine_kind):
         assert rank[False] == {}, rank[False]  # forward, backward, unscale, clip, vote, AdamW, LR, scaler
         assert rank[True], "the counter must see the host-side id/label checks"
 

@@ -21,9 +21,14 @@ pytestmark = pytest.mark.slow  # a torchrun job killed and restarted
 STEPS, SAVE_EVERY, KILL_AFTER = 30, 5, 10
 
 
-def _launch(run_dir: Path, small, restarts: int) -> subprocess.Popen:
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}",
-           "--monitor-interval=0.2", TRAIN, *small, "model.d_model=128", "data.seq_len=64",
+# The DDP engine at tp=2; the FSDP engine at tp=2 x dp=2 (parameters and AdamW state sharded over DP too).
+LAYOUTS = {"ddp": (2, []), "fsdp": (4, ["engine=fsdp", "parallel.tp=2", "parallel.dp=2"])}
+
+
+def _launch(run_dir: Path, small, restarts: int, engine: str) -> subprocess.Popen:
+    nproc, layout = LAYOUTS[engine]
+    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", f"--max-restarts={restarts}",
+           "--monitor-interval=0.2", TRAIN, *small, *layout, "model.d_model=128", "data.seq_len=64",
            f"trainer.max_steps={STEPS}", f"trainer.save_interval={SAVE_EVERY}", "trainer.log_interval=1",
            "model.dropout=0.1", f"hydra.run.dir={run_dir}"]
     # Restarted gloo workers must not read their dead predecessors' addresses from the agent's
@@ -45,13 +50,14 @@ def _final_weights(run_dir: Path, tmp: Path) -> dict:
     return load_file(out)
 
 
-def test_sigkill_one_rank_then_restart_resumes_and_matches_the_uninterrupted_run(tmp_path, small):
-    clean = _launch(tmp_path / "clean", small, restarts=0)
+@pytest.mark.parametrize("engine", sorted(LAYOUTS))
+def test_sigkill_one_rank_then_restart_resumes_and_matches_the_uninterrupted_run(tmp_path, small, engine):
+    clean = _launch(tmp_path / "clean", small, restarts=0, engine=engine)
     out, _ = clean.communicate(timeout=600)
     assert clean.returncode == 0, out
 
     crashed_dir = tmp_path / "crashed"
-    job = _launch(crashed_dir, small, restarts=1)
+    job = _launch(crashed_dir, small, restarts=1, engine=engine)
     try:
         deadline = time.monotonic() + 300
         while _last_logged_step(crashed_dir) < KILL_AFTER:

@@ -19,11 +19,13 @@ def resolve_optimizer(optimizer, engine) -> Optional[OptimizerAdapter]:
 
     ``optimizer`` may be a torch optimizer or a DeepSpeed engine's ``optimizer`` (its ZeRO-1/2 or
     BF16 wrapper); with a DeepSpeedEngine as the model it defaults to the engine's. A bigdense
-    `DSEngine` with world-sharded parameters hands an ``OptimizerPair`` (its ``checkpoint_state``):
-    DeepSpeed's optimizer and the one stepping those parameters, saved as one.
+    `DSEngine` or `FSDPEngine` with world-sharded parameters hands an ``OptimizerPair`` (its
+    ``checkpoint_state``): its main optimizer and the one stepping those parameters, saved as one.
     """
     if isinstance(optimizer, OptimizerPair):
-        return SplitOptimizerState(resolve_optimizer(optimizer.deepspeed, engine), WorldShardedState(optimizer.world),
+        world = optimizer.world
+        world_state = TorchOptimizerState(world) if isinstance(world, torch.optim.Optimizer) else WorldShardedState(world)
+        return SplitOptimizerState(resolve_optimizer(optimizer.deepspeed, engine), world_state,
                                    optimizer.deepspeed_from, optimizer.world_from)
     if engine is not None:
         if optimizer is not None and optimizer is not engine.optimizer:

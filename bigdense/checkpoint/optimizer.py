@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..parallel.sharding import is_dtensor, local_tensor
 from .format import CheckpointError
 from .pieces import ModelState, Piece, optimizer_state_piece, param_name
 
@@ -100,13 +101,24 @@ class TorchOptimizerState(OptimizerAdapter):
             ids = []
             for p in group["params"]:
                 name = model.canonical[id(self.model_param(p))]
-                entry = {**non_tensor.get(name, {}), **tensors.get(name, {})}
+                entry = {**non_tensor.get(name, {}), **{k: _sharded_like(v, p) for k, v in tensors.get(name, {}).items()}}
                 if entry:
                     state[index] = entry
                 ids.append(index)
                 index += 1
             out_groups.append({**saved, "params": ids})
         self.optimizer.load_state_dict({"state": state, "param_groups": out_groups})
+
+
+def _sharded_like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A loaded state tensor shaped like an FSDP-sharded parameter's local slice, made a DTensor
+    placed like the parameter (AdamW's moments of a DTensor are DTensors)."""
+    if not is_dtensor(param) or value.dim() == 0 or value.shape != local_tensor(param).shape:
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
 
 
 def check_optimizer_groups(optimizer_groups: list[list[str]], saved_groups: list[dict]) -> None:

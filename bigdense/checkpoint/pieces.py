@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from ..parallel.sharding import ShardSpec
+from ..parallel.sharding import ShardSpec, is_dtensor, local_tensor
 from .boxes import narrow_box
 from .format import CheckpointError
 
@@ -31,6 +31,11 @@ class Piece:
     ``parts``: a packed parameter's tensor is several boxes of its global tensor along
     ``shard_dim`` (`ShardSpec.boxes`: ``(local start, global start, length)``); ``offsets`` then
     place the other dims. `boxes` gives the piece as single-box pieces, which is how it is stored.
+
+    ``within``: where ``tensor`` starts inside this rank's TP-local tensor, which FSDP splits again
+    over DP (a DTensor's local slice; `offsets` and `parts` describe the TP-local tensor). Such a
+    piece is ``dp_owned``; ``replica`` marks the copies HSDP keeps on its other replicas, which
+    the first replica writes.
     """
 
     key: str  # "model/<name>" or "optim/<param name>/<state key>"
@@ -42,6 +47,8 @@ class Piece:
     dp_owned: bool = False
     parts: tuple[tuple[int, int, int], ...] = ()
     split: bool = False  # one of several boxes of its tensor that this rank stores (named with its offsets)
+    within: tuple[int, ...] = ()  # this tensor's offsets inside the TP-local tensor (FSDP's DP slice)
+    replica: bool = False  # an HSDP replica's copy of a box another DP rank writes
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -50,23 +57,27 @@ class Piece:
     def to_global(self, local_off, shape) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
         """``(local offsets, global offsets, shape)`` of the global boxes that the box
         ``local_off``/``shape`` of this piece's tensor covers (several when it crosses packed parts)."""
+        within = self.within or (0,) * len(local_off)
+        tp_off = tuple(o + w for o, w in zip(local_off, within))  # in the TP-local tensor
+        back = lambda off: tuple(o - w for o, w in zip(off, within))  # noqa: E731  (to this tensor's)
         if not self.parts:
-            return [(tuple(local_off), tuple(o + g for o, g in zip(local_off, self.offsets)), tuple(shape))]
+            return [(tuple(local_off), tuple(o + g for o, g in zip(tp_off, self.offsets)), tuple(shape))]
         d, out = self.shard_dim, []
         for local_start, global_start, length in self.parts:
-            lo, hi = max(local_off[d], local_start), min(local_off[d] + shape[d], local_start + length)
+            lo, hi = max(tp_off[d], local_start), min(tp_off[d] + shape[d], local_start + length)
             if hi > lo:
-                loff, goff, box = list(local_off), [o + g for o, g in zip(local_off, self.offsets)], list(shape)
+                loff, goff, box = list(tp_off), [o + g for o, g in zip(tp_off, self.offsets)], list(shape)
                 loff[d], goff[d], box[d] = lo, global_start + lo - local_start, hi - lo
-                out.append((tuple(loff), tuple(goff), tuple(box)))
+                out.append((back(loff), tuple(goff), tuple(box)))
         return out
 
     def boxes(self) -> list["Piece"]:
-        """This piece as single-box pieces over views of its tensor (itself when it has no parts)."""
-        if not self.parts:
+        """This piece as single-box pieces over views of its tensor (itself when it is one already)."""
+        if not self.parts and not any(self.within):
             return [self]
         zero = (0,) * self.tensor.dim()
-        return [replace(self, tensor=narrow_box(self.tensor, zero, loff, shape), offsets=goff, parts=(), split=True)
+        return [replace(self, tensor=narrow_box(self.tensor, zero, loff, shape), offsets=goff, parts=(), within=(),
+                        split=bool(self.parts))
                 for loff, goff, shape in self.to_global(zero, self.shape)]
 
     def like(self, key: str, tensor: torch.Tensor) -> "Piece":
@@ -146,10 +157,28 @@ def model_pieces(module: nn.Module, tp_rank: int, tp_size: int) -> ModelState:
         spec = specs.get(name)
         global_shape, offsets, parts = _box_of(name, value, spec, tp_rank, tp_size)
         # A tensor split over the whole mesh (shard spec group "world") has no DP replicas: each rank writes its box.
-        pieces[name] = Piece(f"model/{name}", value.detach(), tuple(global_shape), offsets, spec is not None,
-                             None if spec is None else spec.dim, dp_owned=spec is not None and spec.group == "world",
-                             parts=parts)
+        piece = Piece(f"model/{name}", value.detach(), tuple(global_shape), offsets, spec is not None,
+                      None if spec is None else spec.dim, dp_owned=spec is not None and spec.group == "world",
+                      parts=parts)
+        pieces[name] = _dp_slice(piece) if is_dtensor(value) else piece
     return ModelState(pieces, aliases, canonical, non_tensor)
+
+
+def _dp_slice(piece: Piece) -> Piece:
+    """A piece of an FSDP-sharded tensor (a DTensor over the DP mesh): its local slice, placed
+    inside the TP-local tensor, written by this DP rank (the first HSDP replica)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    value = piece.tensor
+    local = local_tensor(value)
+    shape, within = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    if tuple(shape) != tuple(local.shape):
+        raise CheckpointError(f"{piece.key}: the DP-sharded tensor's local shape {tuple(local.shape)} is not its "
+                              f"placements' {tuple(shape)}")
+    coordinate = value.device_mesh.get_coordinate()
+    replica = any(c != 0 for c, p in zip(coordinate, value.placements) if isinstance(p, Replicate))
+    return replace(piece, tensor=local, within=tuple(within), dp_owned=True, replica=replica)
 
 
 def param_name(model: ModelState, param: torch.Tensor, where: str) -> str:
@@ -164,6 +193,7 @@ def param_name(model: ModelState, param: torch.Tensor, where: str) -> str:
 def optimizer_state_piece(model: ModelState, name: str, key: str, value: torch.Tensor) -> Piece:
     """A per-parameter optimizer tensor as a box: shaped like the parameter -> sharded like it."""
     param_piece = model.pieces[name]
+    value = local_tensor(value)  # an FSDP-sharded parameter's state is sharded like it
     if value.dim() > 0 and tuple(value.shape) == param_piece.shape:
         return param_piece.like(f"optim/{name}/{key}", value.detach())
     if param_piece.sharded and value.dim() > 0:

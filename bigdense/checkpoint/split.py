@@ -1,5 +1,6 @@
-"""A model's AdamW split over two optimizers, saved as one: DeepSpeed's, and bigdense's
-`WorldShardedAdamW` for the parameters split over every rank (`bigdense.train.engines.world_sharded`).
+"""A model's AdamW split over two optimizers, saved as one: DeepSpeed's (or the FSDP engine's, over
+FSDP's DTensors), and the one of the parameters split over every rank (bigdense's
+`WorldShardedAdamW`, `bigdense.train.engines.world_sharded`, or a torch AdamW).
 
 The checkpoint holds what one AdamW over ``param_groups`` would hold -- the same groups by parameter
 name, the same per-parameter state, DeepSpeed-style ``fp32_master`` for bf16/fp16 parameters -- so
@@ -96,13 +97,13 @@ class SplitOptimizerState(OptimizerAdapter):
 
 @dataclass
 class OptimizerPair:
-    """What `DSEngine.checkpoint_state` hands ``bd.save_checkpoint``/``load_checkpoint`` as the
-    optimizer when some parameters are world-sharded: DeepSpeed's optimizer and
-    `bigdense.train.engines.world_sharded.WorldShardedAdamW`,
+    """What `DSEngine.checkpoint_state` (and `FSDPEngine`'s) hands ``bd.save_checkpoint``/``load_checkpoint``
+    as the optimizer when some parameters are world-sharded: DeepSpeed's optimizer (the FSDP
+    engine's main AdamW) and `bigdense.train.engines.world_sharded.WorldShardedAdamW` (a torch AdamW),
     saved as the one AdamW of ``param_groups`` (``*_from``: the group each of theirs came from), so
     the checkpoint loads into the DDP engine and back."""
 
-    deepspeed: Any
-    world: Any  # bigdense.train.engines.world_sharded.WorldShardedAdamW
+    deepspeed: Any  # the main optimizer: DeepSpeed's, or a torch optimizer
+    world: Any  # bigdense.train.engines.world_sharded.WorldShardedAdamW, or a torch optimizer
     deepspeed_from: list[int]
     world_from: list[int]

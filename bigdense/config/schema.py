@@ -80,9 +80,11 @@ class PrecisionConfig:
 class EngineConfig:
     """Who runs data parallelism and the optimizer step."""
 
-    kind: str = "ddp"  # "ddp" (torch DistributedDataParallel) or "deepspeed"
-    zero_stage: int = 1  # deepspeed only: 0, 1 or 2
+    kind: str = "ddp"  # "ddp" (torch DistributedDataParallel), "deepspeed" or "fsdp" (FSDP2 over DP)
+    zero_stage: int = 1  # deepspeed only: 0, 1 or 2 (ZeRO-3's sharded parameters with TP: engine=fsdp)
     bucket_cap_mb: float = 25.0  # ddp only
+    reshard_after_forward: bool = True  # fsdp only: free gathered parameters after each block's forward
+    dp_replicate: int = 1  # fsdp only: > 1 is HSDP, sharded over dp / dp_replicate ranks, replicated over the rest
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from ..layers import ParallelClassifierHead, ParallelMLP
 from ..parallel.context import resolve_tp_group
-from .gpt import GPT, add_trunk
+from .gpt import GPT, add_trunk, trunk_edges
 
 
 class ParallelClassifier(nn.Module):
@@ -49,6 +49,10 @@ class ParallelClassifier(nn.Module):
 
     def forward(self, x: torch.Tensor, target: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.head(self.features(x), target)
+
+    def edges(self) -> tuple[list[nn.Module], list[nn.Module]]:
+        """The stem, and the final norm with the head (units of `bigdense.train.engines.fsdp.apply_fsdp`)."""
+        return [self.stem], [self.ln_f, self.head]
 
     def predict(self, x: torch.Tensor, k: int = 1):
         """Global top-k (scores, class ids), each (B, k), without gathering the logits."""
@@ -86,6 +90,10 @@ class TextClassifier(nn.Module):
 
     def forward(self, idx: torch.Tensor, target: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.head(self.features(idx), target)
+
+    def edges(self) -> tuple[list[nn.Module], list[nn.Module]]:
+        """The embeddings, and the final norm with the head (`trunk_edges`)."""
+        return trunk_edges(self)
 
     def predict(self, idx: torch.Tensor, k: int = 1):
         return self.head.predict(self.features(idx), k)

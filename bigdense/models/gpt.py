@@ -205,6 +205,12 @@ def add_trunk(module: nn.Module, cfg: GPTConfig, tp_group) -> dict:
     return sp
 
 
+def trunk_edges(module: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The modules a trunk-bearing model runs before its blocks and after them, for sharding by
+    unit (`bigdense.train.engines.fsdp.apply_fsdp`): the embeddings, and the final norm with the head."""
+    return [module.tok_emb, module.pos_emb], [module.ln_f, module.head]
+
+
 class GPT(nn.Module):
     """Decoder-only language model. ``forward(idx, targets)`` returns the mean cross-entropy.
 
@@ -258,6 +264,10 @@ class GPT(nn.Module):
     def depth_and_width(self) -> tuple[int, int]:
         """``(layers, d_model)``, for the FLOPs of a token (`bigdense.train.flops`)."""
         return self.cfg.n_layers, self.cfg.d_model
+
+    def edges(self) -> tuple[list[nn.Module], list[nn.Module]]:
+        """The embeddings, and the final norm with the head (`trunk_edges`)."""
+        return trunk_edges(self)
 
     def num_parameters(self) -> dict[str, int]:
         """Global parameter counts (unsharded), total and of the largest dense layer (the head)."""

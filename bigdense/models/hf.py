@@ -42,6 +42,15 @@ class CausalLM(nn.Module):
                     return found
         return None
 
+    def edges(self) -> tuple[list[nn.Module], list[nn.Module]]:
+        """The input embeddings, and the decoder's final norm with the output head (units of
+        `bigdense.train.engines.fsdp.apply_fsdp`); either list is empty where the model has none."""
+        decoder = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else None
+        inputs = [self.lm.get_input_embeddings()] if hasattr(self.lm, "get_input_embeddings") else []
+        head = self.lm.get_output_embeddings() if hasattr(self.lm, "get_output_embeddings") else None
+        outputs = [m for m in (getattr(decoder, "norm", None), head) if isinstance(m, nn.Module)]
+        return [m for m in inputs if isinstance(m, nn.Module)], outputs
+
     def num_parameters(self) -> dict[str, int]:
         """Global parameter counts (unsharded): total, and of the output head (a tied head shares
         the embedding's)."""

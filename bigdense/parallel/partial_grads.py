@@ -29,6 +29,7 @@ from torch.distributed import ProcessGroup
 
 from . import comm
 from .regions import copy_to_tp
+from .sharding import local_tensor
 
 _deferring = False  # a module global, not thread-local: autograd runs recomputes on its own threads
 
@@ -75,10 +76,11 @@ def sum_partial_grads_(params: list[tuple[torch.nn.Parameter, Optional[ProcessGr
         if comm.group_size(group) > 1:
             buckets.setdefault((group, p.dtype), []).append(p)
     for (group, _), bucket in buckets.items():
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+        # FSDP-sharded gradients: the same DP slice on every TP peer (the parameter is replicated
+        # over TP, so FSDP splits it alike), summed as local tensors.
+        grads = [local_tensor(p.grad if p.grad is not None else torch.zeros_like(p)) for p in bucket]
         flat = comm.all_reduce_(torch.cat([g.reshape(-1) for g in grads]), group)
-        for p, summed in zip(bucket, flat.split([g.numel() for g in grads])):
+        for p, grad, summed in zip(bucket, grads, flat.split([g.numel() for g in grads])):
             if p.grad is None:
-                p.grad = summed.view_as(p).clone()
-            else:
-                p.grad.copy_(summed.view_as(p.grad))
+                p.grad = torch.zeros_like(p)
+            local_tensor(p.grad).copy_(summed.view_as(grad))

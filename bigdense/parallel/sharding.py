@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def shard_sizes(total: int, parts: int) -> list[int]:
@@ -128,3 +129,13 @@ def is_world_sharded(param: torch.Tensor) -> bool:
     (a world-sharded classifier head): data parallelism must leave it alone."""
     spec = shard_spec_of(param)
     return spec is not None and spec.group == "world"
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local tensor (an FSDP-sharded parameter or gradient:
+    a slice along dim 0 of the TP-local tensor), else ``t`` itself. A view: writing it writes ``t``."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor)

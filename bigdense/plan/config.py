@@ -39,7 +39,11 @@ def layout_of(cfg, plan, devices: int) -> Layout:
     dims = ParallelDims.resolve(cfg.parallel.tp, cfg.parallel.dp, devices)
     return Layout(
         tp=dims.tp, dp=dims.dp,
-        precision=str(cfg.precision.dtype), engine=str(cfg.engine.kind), zero_stage=int(cfg.engine.zero_stage),
+        precision=str(cfg.precision.dtype), engine=str(cfg.engine.kind),
+        # Each engine's own keys; the defaults elsewhere (what `candidates` sets).
+        zero_stage=int(cfg.engine.zero_stage) if cfg.engine.kind == "deepspeed" else 0,
+        dp_replicate=int(cfg.engine.dp_replicate) if cfg.engine.kind == "fsdp" else 1,
+        reshard_after_forward=bool(cfg.engine.reshard_after_forward) if cfg.engine.kind == "fsdp" else True,
         micro_batch_size=int(cfg.data.micro_batch_size), grad_accum=int(cfg.data.grad_accum),
         recompute=str(cfg.recompute.mode), recompute_every=int(cfg.recompute.every),
         sequence_parallel=bool(getattr(cfg.parallel, "sequence_parallel", False)),
@@ -84,8 +88,21 @@ def step_time(est: Estimate, model_shape, plan) -> float:
     tp_bytes = (per_block * model_shape.n_layers + 2) * stream * lay.grad_accum
     tp_calls = (per_block * model_shape.n_layers + 2) * lay.grad_accum * 2 * (lay.tp - 1)  # ring steps
     tp_time = 2 * (lay.tp - 1) / lay.tp * tp_bytes / (plan.tp_gbps * 1e9) + tp_calls * plan.latency_us * 1e-6
-    dp_time = 2 * (lay.dp - 1) / lay.dp * est.params_per_rank * 4 / (plan.dp_gbps * 1e9)
-    return compute + tp_time + dp_time
+    return compute + tp_time + _dp_bytes(est) / (plan.dp_gbps * 1e9)
+
+
+def _dp_bytes(est: Estimate) -> float:
+    """Bytes one rank moves over DP per step: a ring all-reduce of the fp32 gradients (DDP,
+    DeepSpeed); FSDP: an all-gather of the parameters in the compute dtype in each micro-batch's
+    forward (and backward, when it reshards after the forward), one reduce-scatter of the fp32
+    gradients, and with HSDP a ring all-reduce of the gradient shards over the replicas."""
+    lay = est.layout
+    if lay.engine != "fsdp":
+        return 2 * (lay.dp - 1) / lay.dp * est.params_per_rank * 4
+    ws, replicas, shard = lay.dp_shard, lay.dp_replicate, est.params_per_rank  # fsdp: shard elements
+    gathers = (2 if lay.reshard_after_forward else 1) * lay.grad_accum
+    ring = (ws - 1) * shard  # elements through a rank in one ring all-gather or reduce-scatter
+    return ring * (gathers * lay.param_bytes + 4) + 2 * (replicas - 1) / replicas * shard * 4
 
 
 def estimate_config(cfg, plan, layout: Optional[Layout] = None, model=None) -> Estimate:
@@ -106,8 +123,20 @@ def _with_layout(cfg, layout: Layout):
     return out
 
 
+def _engines(dp: int) -> list[dict]:
+    """The engine settings worth trying over ``dp`` ranks: DDP; with dp > 1 ZeRO-1/2 and FSDP
+    (resharding after the forward or not), and HSDP over each proper split of dp."""
+    out = [dict(engine="ddp", zero_stage=0, dp_replicate=1, reshard_after_forward=True)]
+    if dp > 1:
+        out += [dict(engine="deepspeed", zero_stage=z, dp_replicate=1, reshard_after_forward=True) for z in (1, 2)]
+        out += [dict(engine="fsdp", zero_stage=0, dp_replicate=r, reshard_after_forward=reshard)
+                for r in range(1, dp) if dp % r == 0 for reshard in (True, False)]
+    return out
+
+
 def candidates(cfg, devices: int, base: Layout) -> list[Layout]:
-    """Layouts of the same devices and global batch: tp x dp, micro-batch, recompute, ZeRO, SP."""
+    """Layouts of the same devices and global batch: tp x dp, micro-batch, recompute, engine (DDP,
+    ZeRO, FSDP, HSDP), SP."""
     global_batch = base.micro_batch_size * base.grad_accum * base.dp
     # Sequence parallelism is the reference GPT's (`GPTConfig.from_config`); `bd.parallelize` has none.
     gpt = cfg.model.name != "hf"
@@ -118,13 +147,12 @@ def candidates(cfg, devices: int, base: Layout) -> list[Layout]:
         if global_batch % dp:
             continue
         per_rank = global_batch // dp
-        engines = [("ddp", 0)] + ([("deepspeed", 1), ("deepspeed", 2)] if dp > 1 else [])
         for micro in [m for m in range(1, per_rank + 1) if per_rank % m == 0]:
             for mode in ("none", "mlp", "full"):
-                for engine, zero in engines:
+                for engine in _engines(dp):
                     for sp in sp_options if tp > 1 else (False,):
                         out.append(base.with_(tp=tp, dp=dp, micro_batch_size=micro, grad_accum=per_rank // micro,
-                                              recompute=mode, engine=engine, zero_stage=zero, sequence_parallel=sp))
+                                              recompute=mode, sequence_parallel=sp, **engine))
     return out
 
 

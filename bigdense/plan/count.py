@@ -31,13 +31,16 @@ class ParamEntry:
     def numel(self) -> int:
         return math.prod(self.global_shape)
 
-    def local_numel(self, tp: int, rank: int) -> int:
-        """Elements on TP rank ``rank`` (the balanced split every bigdense layer uses)."""
-        if self.split_dim is None:
-            return self.numel
+    def local_shape(self, tp: int, rank: int) -> tuple[int, ...]:
+        """The shape on TP rank ``rank`` (the balanced split every bigdense layer uses)."""
         shape = list(self.global_shape)
-        shape[self.split_dim] = shard_sizes(shape[self.split_dim] // self.packed, tp)[rank] * self.packed
-        return math.prod(shape)
+        if self.split_dim is not None:
+            shape[self.split_dim] = shard_sizes(shape[self.split_dim] // self.packed, tp)[rank] * self.packed
+        return tuple(shape)
+
+    def local_numel(self, tp: int, rank: int) -> int:
+        """Elements on TP rank ``rank``."""
+        return math.prod(self.local_shape(tp, rank))
 
 
 def param_entries(model: nn.Module, plan: Optional[Mapping] = None, tp: Optional[int] = None) -> list[ParamEntry]:

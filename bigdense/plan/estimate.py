@@ -19,6 +19,10 @@ The peak is the largest of the moments a step passes through, each a sum of what
   AdamW; DeepSpeed's torch AdamW: two of the largest parameter on CPU, one of all parameters with
   the foreach kernels on GPUs).
 
+With ``engine="fsdp"`` the state is FSDP's fp32 shards, each moment adds the gathered parameters and
+buffers alive then, and FSDP's own moments join them (`bigdense.plan.fsdp`: ``block_end``,
+``reduce_block``, ``reduce_output``, ``reduce_tied`` / ``reduce_input`` / ``reduce_root``, ``gather``).
+
 ``overhead`` (CUDA context, communication library, allocator slack) is added on top of the peak
 for the total held against the device.
 """
@@ -33,6 +37,7 @@ import torch.nn as nn
 from ..models import CausalLM
 from ..models.gpt import GPT
 from .count import count_per_rank, param_entries
+from .fsdp import FSDPMemory, fsdp_units
 from .gpt import GPTMemory, GPTShape
 from .hf import HFMemory, HFShape, is_causal_lm
 from .layout import Layout
@@ -47,7 +52,7 @@ class Estimate:
 
     layout: Layout
     total_params: int  # unsharded, each tied weight once
-    params_per_rank: int
+    params_per_rank: int  # elements a rank holds: its TP shard (FSDP: its padded DP shard of that)
     bytes_per_rank: dict  # category -> bytes
     phases: dict = field(default_factory=dict)  # moment of the step -> bytes alive
     peak_bytes: int = 0  # tensors alive at the worst moment (what max_memory_allocated reports)
@@ -114,6 +119,17 @@ def _state_bytes(params: int, trainable: int, largest: int, layout: Layout) -> d
             "optimizer_temporaries": temporaries}
 
 
+def _persistent_grads(grads: float, layout: Layout) -> float:
+    """Gradients alive through the forward (DDP, DeepSpeed): DDP's buckets (dp > 1), ZeRO's
+    partitions, or those accumulated over micro-batches."""
+    persistent = grads if (layout.grad_accum > 1 or layout.engine == "deepspeed" or layout.dp > 1) else 0
+    if layout.engine == "ddp" and layout.dp > 1 and layout.grad_accum > 1:
+        # Under no_sync the micro-batches before the last accumulate into their own .grad tensors,
+        # beside DDP's buckets (which the last one's gradients are views of): both are alive.
+        persistent += grads
+    return persistent
+
+
 def _kind(model: nn.Module) -> Optional[str]:
     """The one place the kinds of model the planner knows are told apart: the reference GPT
     (`bigdense.models.GPT`), a Hugging Face causal LM (a `CausalLM`, or the transformers model), or None."""
@@ -157,12 +173,12 @@ def estimate(
     declared, and plain ``nn.Linear``/``nn.Embedding`` layers as ``bd.parallelize(model, plan)``
     would shard them (``plan=None``: its automatic plan, for a model without bigdense layers).
     ``tp``/``dp`` and ``layout_options`` (the fields of `Layout`: ``precision``, ``engine``,
-    ``zero_stage``, ``micro_batch_size``, ``grad_accum``, ``recompute``, ``sequence_parallel``,
-    ``device_type``) describe the step, or pass a whole ``layout``. With ``seq_len``, for the
-    reference GPT (`bigdense.models.GPT`) and for a Hugging Face causal LM (a `CausalLM`, or the
-    transformers model itself, counted by its own plan) the activations, the loss's working set and
-    the FLOPs are estimated too (`activation_model`); for other modules only parameters, gradients
-    and optimizer state.
+    ``zero_stage``, ``dp_replicate``, ``reshard_after_forward``, ``micro_batch_size``, ``grad_accum``,
+    ``recompute``, ``sequence_parallel``, ``device_type``) describe the step, or pass a whole ``layout``.
+    With ``seq_len``, for the reference GPT (`bigdense.models.GPT`) and for a Hugging Face causal LM
+    (a `CausalLM`, or the transformers model itself, counted by its own plan) the activations, the
+    loss's working set and the FLOPs are estimated too (`activation_model`); for other modules only
+    parameters, gradients and optimizer state (FSDP: also the end of the backward).
     """
     layout = layout or Layout(tp=tp, dp=dp, **layout_options)
     entries = param_entries(model, plan, layout.tp)
@@ -170,27 +186,30 @@ def estimate(
     trainable = max(count_per_rank(entries, layout.tp, trainable_only=True))
     largest = max((e.local_numel(layout.tp, 0) for e in entries), default=0)
     params = max(per_rank)
-    states = _state_bytes(params, trainable, largest, layout)
+    fsdp = FSDPMemory(fsdp_units(model, entries, layout), layout, loss_in_head=_kind(model) == "gpt") \
+        if layout.engine == "fsdp" else None
+    states = fsdp.state_bytes() if fsdp else _state_bytes(params, trainable, largest, layout)
     cats = {k: states[k] for k in ("params", "grads", "optimizer")}
-    est = Estimate(layout, sum(e.numel for e in entries), params, cats, overhead_bytes=int(overhead_gb * GiB))
+    est = Estimate(layout, sum(e.numel for e in entries), fsdp.shard_numel() if fsdp else params, cats,
+                   overhead_bytes=int(overhead_gb * GiB))
 
     memory = activation_model(model, seq_len, layout, entries)
     base = states["params"] + states["optimizer"] + states["buckets"]
-    persistent_grads = states["grads"] if (
-        layout.grad_accum > 1 or layout.engine == "deepspeed" or layout.dp > 1) else 0
-    if layout.engine == "ddp" and layout.dp > 1 and layout.grad_accum > 1:
-        # Under no_sync the micro-batches before the last accumulate into their own .grad tensors,
-        # beside DDP's buckets (which the last one's gradients are views of): both are alive.
-        persistent_grads += states["grads"]
-    if memory is None:
+    if fsdp is not None:
+        est.phases = fsdp.moments(memory, base)
+    elif memory is None:
         est.phases = {"optimizer": base + states["grads"] + states["optimizer_temporaries"]}
-        cats["comm_buffers"] = states["buckets"]
     else:
-        est.phases = memory.moments(base, persistent_grads, states["grads"], states["optimizer_temporaries"])
+        est.phases = memory.moments(base, _persistent_grads(states["grads"], layout), states["grads"],
+                                    states["optimizer_temporaries"])
+    cats["comm_buffers"] = states["buckets"]
+    if memory is not None:
         cats.update(memory.categories())
         cats["comm_buffers"] = states["buckets"] + cats.pop("comm_buffers")  # after the activations, as printed
         est.activations_per_layer = [(n, int(b)) for n, b in memory.per_layer()]
         est.flops_per_step = memory.flops_per_micro_batch() * layout.grad_accum
+    if fsdp is not None:
+        cats["fsdp_gathered"] = fsdp.gathered_peak()
     cats["overhead"] = est.overhead_bytes
     est.bytes_per_rank = {k: int(v) for k, v in cats.items()}
     est.peak_phase, peak = max(est.phases.items(), key=lambda kv: kv[1])

@@ -22,6 +22,9 @@ Per block, what stays for the backward:
 * autocast's weight cache: a compute-width copy of each row-parallel weight (``out``, ``down``),
   alive until the forward's autocast exits and kept for the backward; the column projections cast
   their weights themselves and keep none.
+* parameters in the compute dtype (DeepSpeed; FSDP's gathered copies, under autocast): the stream
+  in that dtype, no weight copies; CUDA autocast still returns the final norm's output in fp32,
+  which the head casts.
 
 Sequence parallelism divides the replicated-region terms (norm outputs and the column projections'
 saved inputs, residuals, masks) by tp; the head then gathers the final hidden states (``u``).
@@ -81,6 +84,8 @@ class GPTMemory:
         self.c = layout.compute_bytes
         # Width of the residual stream and of norm outputs: fp32 under autocast, else the compute width.
         self.f = 4 if layout.autocast or layout.precision == "fp32" else self.c
+        # Width of the final norm's output (what the head reads): the stream's, or fp32 by CUDA autocast.
+        self.n = 4 if layout.cuda_autocast else self.f
         self.rep = tp if layout.sequence_parallel else 1  # replicated-region terms are split by SP
 
     # ---- pieces of one block ----
@@ -100,7 +105,7 @@ class GPTMemory:
         tp, c = self.layout.tp, self.c
         out = self._norm_out() + 3 * self.u / tp * c + self.u / tp * c
         if self.explicit_attention():
-            fp32_softmax = self.layout.autocast and self.layout.device_type == "cuda"
+            fp32_softmax = self.layout.cuda_autocast
             sm = 4 if fp32_softmax else c
             out += self.p2 * (sm + 1 + sm + (c if fp32_softmax else 0))
         else:
@@ -140,7 +145,7 @@ class GPTMemory:
         f = self.u * self.f / self.rep
         rows = [("embedding", f + self._mask())]
         rows += [(f"blocks.{i}", self.stored_block_bytes(i)) for i in range(self.shape.n_layers)]
-        return rows + [("ln_f", f)]
+        return rows + [("ln_f", self.u * self.n / self.rep)]
 
     def stored_bytes(self) -> float:
         """Activations alive at the end of the forward, autocast's weight copies included."""
@@ -148,12 +153,19 @@ class GPTMemory:
         return sum(b for _, b in self.per_layer()) + cache
 
     def backward_block_bytes(self) -> float:
-        """Extra bytes while one block runs its backward: recomputed activations plus gradients of
-        activations (the stream's, and the widest inner ones)."""
+        """Bytes beyond every stored activation while the last block runs its backward, at its
+        largest: what it recomputes, plus either its down projection's backward -- the stream's
+        gradient and its dropout's, the gradients of the projection's input and weight, once the
+        final norm's output, the block's output and its last dropout mask are freed -- or, with
+        explicit attention probabilities, two ``s x s`` gradients and two of the stream in fp32."""
         tp, c = self.layout.tp, self.c
         recomputed = self.block_bytes() if self.layout.recompute != "none" else 0
-        inner = max(2 * self.hid / tp * c, (2 * self.p2 * c) if self.explicit_attention() else 3 * self.u / tp * c)
-        return recomputed + inner + 2 * self.u * 4
+        stream = self.u * self.f / self.rep
+        freed = self.u * self.n / self.rep + stream + self._mask()
+        down = self.hid / tp * c + self.shape.d_hidden * self.shape.d_model / tp * c
+        mlp = down + stream * (2 if self.shape.dropout > 0 else 1) - freed
+        attention = 2 * self.p2 * c + 2 * self.u * 4 if self.explicit_attention() else mlp
+        return recomputed + max(mlp, attention)
 
     # ---- the loss head ----
     def head_bytes(self) -> dict[str, float]:
@@ -167,13 +179,17 @@ class GPTMemory:
         slots = 2 if tp > 1 else 1  # a second fp32 logits slot lets a chunk's collective overlap the next matmul
         work = slots * classes * chunk * 4
         if c != 4:
-            # Operands cast once per call; the low-precision logits buffer; a block of weight-gradient
-            # rows; per chunk, grad_h's rows (low precision, then fp32) and the token-scaled hidden states.
+            # Operands cast once per call (the hidden states unless the final norm returned the compute
+            # dtype, the weight unless it is in it: fp32 parameters); the low-precision logits buffer;
+            # a block of weight-gradient rows; per chunk, grad_h's rows (low precision, then fp32) and
+            # the token-scaled hidden states.
             block_rows = min(classes, max(1, WEIGHT_GRAD_BLOCK_BYTES // (d * c)))
-            work += self.tokens * d * c + classes * d * c + classes * chunk * c + block_rows * d * c
+            cast = (self.tokens * d * c if self.n != c else 0) + (
+                classes * d * c if self.layout.param_bytes == 4 else 0)
+            work += cast + classes * chunk * c + block_rows * d * c
             work += chunk * d * (c + 4 + c)
         if self.layout.sequence_parallel:
-            work += self.u * self.f  # the hidden states gathered along the sequence
+            work += self.u * self.n  # the hidden states gathered along the sequence
         return {"grads": grads, "chunk": work}
 
     # ---- the step ----
@@ -181,15 +197,32 @@ class GPTMemory:
         """Bytes alive at each moment of the step (`bigdense.plan.estimate` says which), given
         ``base`` (parameters, optimizer state, buckets), the gradients kept between steps, all the
         gradients, and the optimizer's temporaries."""
-        acts, head = self.stored_bytes(), self.head_bytes()
-        shard = -(-self.shape.vocab_size // self.layout.tp) * self.shape.d_model * self.layout.param_bytes
-        tied_emb = 2 * shard if self.shape.tie_embeddings else 0  # the largest rank's
+        acts, head, pb = self.stored_bytes(), self.head_bytes(), self.layout.param_bytes
+        head_grad = self.head_weight_gradient_bytes(pb)
+        # A tied weight's gradient waits in autograd's buffer for the embedding's, beside those kept
+        # between steps; an untied one is added to them.
+        held = persistent_grads + head_grad if self.shape.tie_embeddings else max(persistent_grads, head_grad)
         return {
             "forward": base + persistent_grads + acts + head["grads"] + head["chunk"],
-            "backward": base + max(persistent_grads, head["grads"]) + acts + self.backward_block_bytes(),
-            "backward_end": base + grads + tied_emb,
+            "backward": base + held + acts + self.backward_block_bytes(),
+            "backward_end": base + grads + self.tied_gradient_bytes(pb),
             "optimizer": base + grads + temporaries,
         }
+
+    def head_weight_gradient_bytes(self, param_bytes: int) -> float:
+        """The head weight's gradient as the blocks' backward finds it (the largest rank's shard, in
+        the parameters' dtype; the hidden states' gradient, formed in the forward too, is consumed)."""
+        return -(-self.shape.vocab_size // self.layout.tp) * self.shape.d_model * param_bytes
+
+    def head_backward_bytes(self) -> float:
+        """Beyond the stored activations when the head's backward starts: the gradients the fused
+        cross-entropy formed in the forward (fp32)."""
+        return self.head_bytes()["grads"]
+
+    def tied_gradient_bytes(self, param_bytes: int) -> float:
+        """At the end of the backward, with the head tied to the embedding: the embedding's dense
+        gradient and its sum with the head's, beside the head's (the largest rank's shard)."""
+        return 2 * self.head_weight_gradient_bytes(param_bytes) if self.shape.tie_embeddings else 0
 
     def categories(self) -> dict[str, float]:
         """The activation rows of the memory table."""

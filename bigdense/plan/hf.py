@@ -346,6 +346,11 @@ class HFMemory:
         """Log-softmax's backward: its saved output, nll's gradient and its own (fp32 each)."""
         return 3 * 4 * self.logits_elements() + 8 * self.t
 
+    def head_backward_bytes(self) -> float:
+        """Beyond the stored activations when the output head's backward starts: the logits'
+        gradient at the compute width."""
+        return self.logits_elements() * self.c
+
     def tied_gradient_bytes(self, param_bytes: int) -> float:
         """At the end of the backward, with a trained head tied to the embedding: the embedding's
         dense gradient and its sum with the head's, beside the head's (the largest rank's shard)."""

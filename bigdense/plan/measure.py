@@ -7,14 +7,21 @@ returns -- forward, autograd's backward, the optimizer -- and adds its storage's
 storage is freed (a weak-reference finalizer). Storages alive before the mode starts are
 registered with ``track``. The result is the peak of bytes held by live tensors, the quantity
 ``max_memory_allocated`` reports on a GPU (less the caching allocator's rounding).
+
+Two things FSDP2 (``engine=fsdp``) does are followed too: its parameters, gradients and optimizer
+state are DTensors, whose local tensors hold the bytes (tensor subclasses are counted by their
+inner tensors); and it frees and re-allocates the gathered parameters by resizing their storages in
+place (``free_storage``/``alloc_storage`` of ``torch.distributed.fsdp``), which no operator sees:
+while a `LiveTensorBytes` is active those two functions report to it.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 
@@ -32,8 +39,8 @@ class LiveTensorBytes(TorchDispatchMode):
     def track(self, tensors: Iterable[torch.Tensor], op: str = "existing") -> None:
         """Count the storages of tensors that already exist (parameters, gradients, optimizer state)."""
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self._add(t.untyped_storage(), op)
+            for plain in _plain_tensors(t):
+                self._add(plain.untyped_storage(), op)
 
     def _add(self, storage, op: str) -> None:
         key, size = storage.data_ptr(), storage.nbytes()
@@ -49,12 +56,72 @@ class LiveTensorBytes(TorchDispatchMode):
 
         self._live[key] = weakref.finalize(storage, freed)
 
+    def _drop(self, storage) -> None:
+        """Stop counting ``storage`` (about to be resized in place)."""
+        finalizer = self._live.get(storage.data_ptr())
+        if finalizer is not None:
+            finalizer()  # subtracts its size and forgets it; a called finalizer never runs again
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self._add(t.untyped_storage(), str(func))
+            for plain in _plain_tensors(t):
+                self._add(plain.untyped_storage(), str(func))
         return out
+
+    def __enter__(self):
+        self._resizes = _fsdp_storage_resizes(self)
+        self._resizes.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._resizes.__exit__(*exc)
+
+
+def _plain_tensors(t) -> Iterator[torch.Tensor]:
+    """The plain tensors holding ``t``'s bytes: ``t`` itself, or a subclass's (a DTensor's local) inner tensors."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return
+    if is_traceable_wrapper_subclass(t):
+        for name in t.__tensor_flatten__()[0]:
+            yield from _plain_tensors(getattr(t, name))
+    else:
+        yield t
+
+
+@contextlib.contextmanager
+def _fsdp_storage_resizes(live: LiveTensorBytes):
+    """Report FSDP2's in-place storage resizes (its gathered parameters) to ``live`` while inside."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    except ImportError:  # no FSDP2 in this torch
+        yield
+        return
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def alloc_storage(tensor):
+        live._drop(tensor.untyped_storage())
+        alloc(tensor)
+        live._add(tensor.untyped_storage(), "fsdp.alloc_storage")
+
+    def free_storage(tensor):
+        live._drop(tensor.untyped_storage())
+        free(tensor)
+
+    patched = [(_fsdp_param, "alloc_storage", alloc_storage), (_fsdp_param, "free_storage", free_storage),
+               (_fsdp_param_group, "alloc_storage", alloc_storage)]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patched if hasattr(module, name)]
+    for module, name, fn in patched:
+        if hasattr(module, name):
+            setattr(module, name, fn)
+    try:
+        yield
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..parallel import comm
 from ..parallel.context import resolve_tp_group
-from ..parallel.sharding import is_world_sharded, shard_spec_of
+from ..parallel.sharding import is_dtensor, is_world_sharded, local_tensor, shard_spec_of
 
 
 def unique_params(model_or_params) -> list[torch.Tensor]:
@@ -53,7 +53,8 @@ def grad_norm(
     """The global gradient norm the unsharded model would have (fp32, 0-dim), without clipping.
 
     What `clip_grad_norm_` measures; see there. One all-reduce of one scalar over ``tp_group`` (and
-    one over the world with world-sharded parameters), foreach kernels (a handful of launches
+    one over the world with world- or FSDP-sharded parameters; only that one when every parameter
+    is), foreach kernels (a handful of launches
     whatever the number of parameters), no host sync.
     """
     norm_type = _check_norm_type(norm_type)
@@ -62,26 +63,55 @@ def grad_norm(
     params = [p for p in every if p.grad is not None]
     # A rank without gradients still joins the all-reduce, on the device its collectives use.
     device = params[0].grad.device if params else (every[0].device if every else torch.device("cpu"))
-    sharded = [p.grad.detach() for p in params if is_tp_sharded(p) and not is_world_sharded(p)]
-    replicated = [p.grad.detach() for p in params if not is_tp_sharded(p)]
-    world = [p.grad.detach() for p in params if is_world_sharded(p)]
-    # Which parameters are world-sharded is the model's, the same on every rank: all join or none.
-    world_group = _world() if any(is_world_sharded(p) for p in every) else None
+    plain = [p for p in params if not is_dtensor(p)]
+    sharded = [p.grad.detach() for p in plain if is_tp_sharded(p) and not is_world_sharded(p)]
+    replicated = [p.grad.detach() for p in plain if not is_tp_sharded(p)]
+    world = [p.grad.detach() for p in plain if is_world_sharded(p)]
+    # Which parameters are world- or FSDP-sharded is the model's, the same on every rank: all join or none.
+    world_group = _world() if any(is_world_sharded(p) or is_dtensor(p) for p in every) else None
+    # Under FSDP every term may be in the world sum: then the TP all-reduce is skipped.
+    tp_sum = group if any(not (is_world_sharded(p) or is_dtensor(p)) for p in every) else None
     # Replicated gradients are the same on every TP rank: counted on TP rank 0 only, but as 0 * g
     # elsewhere, so an inf/nan on any rank still poisons the total (0 * inf = nan).
     weight = 1.0 if comm.group_rank(group) == 0 else 0.0
+    # FSDP-sharded gradients (DTensors over DP): each rank's slice of its TP-local tensor, summed over
+    # the whole mesh with world-sharded ones; weighted as above over TP, and over HSDP's replicas.
+    dp_sharded = [(local_tensor(p.grad.detach()), (1.0 if is_tp_sharded(p) else weight) * _first_replica(p.grad))
+                  for p in params if is_dtensor(p)]
     if math.isinf(norm_type):
         local = torch.maximum(_foreach_max_abs(sharded, device), _foreach_max_abs(replicated, device) * weight)
         # gloo/NCCL MAX may keep or drop a nan depending on operand order; inf survives either way.
         local = torch.maximum(local, _foreach_max_abs(world, device))
+        for w, grads in _by_weight(dp_sharded).items():
+            local = torch.maximum(local, _foreach_max_abs(grads, device) * w)
         local = torch.nan_to_num(local, nan=math.inf, posinf=math.inf)
-        return comm.all_reduce_(comm.all_reduce_(local, group, op=dist.ReduceOp.MAX), world_group,
+        return comm.all_reduce_(comm.all_reduce_(local, tp_sum, op=dist.ReduceOp.MAX), world_group,
                                 op=dist.ReduceOp.MAX)
     local = _foreach_power_sum(sharded, norm_type, device) + _foreach_power_sum(replicated, norm_type, device) * weight
-    total = comm.all_reduce_(local, group)
-    if world_group is not None:  # every world shard is different: summed over the whole mesh
-        total = total + comm.all_reduce_(_foreach_power_sum(world, norm_type, device), world_group)
+    total = comm.all_reduce_(local, tp_sum)
+    if world_group is not None:  # every world or FSDP shard is different: summed over the whole mesh
+        spread = _foreach_power_sum(world, norm_type, device)
+        for w, grads in _by_weight(dp_sharded).items():
+            spread = spread + _foreach_power_sum(grads, norm_type, device) * w
+        total = total + comm.all_reduce_(spread, world_group)
     return total.pow(1.0 / norm_type)
+
+
+def _first_replica(grad: torch.Tensor) -> float:
+    """1.0 on the first replica of a DTensor's shard (coordinate 0 on each mesh dim it is replicated
+    over: HSDP's replicate dim), else 0.0."""
+    from torch.distributed.tensor import Replicate
+
+    coordinate = grad.device_mesh.get_coordinate()
+    replicas = [c for c, placement in zip(coordinate, grad.placements) if isinstance(placement, Replicate)]
+    return 1.0 if all(c == 0 for c in replicas) else 0.0
+
+
+def _by_weight(weighted: list) -> dict:
+    out: dict = {}
+    for grad, w in weighted:
+        out.setdefault(w, []).append(grad)
+    return out
 
 
 def _world() -> Optional[dist.ProcessGroup]:
@@ -118,12 +148,15 @@ def clip_grad_norm_(
     TP-replicated parameters (a RowParallelLinear bias, LayerNorm weights) hold the same gradient on
     every TP rank and are counted once. Parameters split over every rank (a world-sharded classifier
     head: shard spec ``group="world"``) have no DP replicas: their shards are summed over the whole
-    mesh, so they too count once. Tied parameters are counted once. Norms accumulate in fp32
+    mesh, so they too count once; so are the local slices of FSDP-sharded parameters (DTensor
+    gradients, `bigdense.train.engines.fsdp`), a TP-replicated one counted on TP rank 0 and, under
+    HSDP, on the first replica only. Tied parameters are counted once. Norms accumulate in fp32
     whatever the gradients' dtype. ``norm_type`` is any p > 0 or ``inf`` (the largest magnitude).
     ``max_norm`` must be a finite number > 0 (to measure without clipping, use `grad_norm`).
 
     Collectives: one all-reduce of one scalar over ``tp_group`` (SUM for a p-norm, MAX for inf);
-    with world-sharded parameters one more over the world. ``tp_group`` defaults to the default
+    with world- or FSDP-sharded parameters one more over the world (only that one when every
+    parameter is). ``tp_group`` defaults to the default
     context's. Apart from that nothing runs over DP: call this after DP
     gradient averaging (DDP's backward, or an explicit all-reduce), when every DP replica holds the
     same gradients and so computes the same norm and the same clip coefficient. Foreach kernels
@@ -147,7 +180,7 @@ def clip_grad_norm_(
             f"clip_grad_norm_: the total {float(norm_type)}-norm of the gradients is non-finite ({total.item()}); "
             "pass error_if_nonfinite=False to get it back and skip the step instead"
         )
-    grads = [p.grad for p in unique_params(model_or_params) if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in unique_params(model_or_params) if p.grad is not None]
     if grads:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))

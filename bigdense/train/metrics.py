@@ -20,7 +20,7 @@ import torch.nn as nn
 from ..layers.base import TensorParallelModule
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..parallel import comm
-from ..parallel.sharding import shard_spec_of
+from ..parallel.sharding import is_dtensor, shard_spec_of
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -122,7 +122,9 @@ class DenseLayerStats:
             for kind, t in (("weight", module.weight), ("grad", module.weight.grad)):
                 if t is not None:
                     t = t.detach().float()
-                    entries.append((f"{name}/{kind}", t.square().sum(), float(t.numel()), sharded))
+                    # An FSDP-sharded tensor's sum over its DP slices: one scalar all-reduce, no gather.
+                    total = t.square().sum().full_tensor() if is_dtensor(t) else t.square().sum()
+                    entries.append((f"{name}/{kind}", total, float(t.numel()), sharded))
         entries += [(key, total, float(numel), sharded) for key, (total, numel, sharded) in self._acts.items()]
         self._acts.clear()
         if not entries:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..parallel import comm
 from ..errors import ConfigError, check_choice, check_positive_int
+from ..parallel.sharding import local_tensor
 from .clip import unique_params
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -143,7 +144,7 @@ class DynamicLossScaler:
         by_device: dict = {}
         for p in unique_params(params):
             if p.grad is not None:
-                by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+                by_device.setdefault((p.grad.device, p.grad.dtype), []).append(local_tensor(p.grad))
         for (device, _), grads in by_device.items():
             flag = torch.zeros((), dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device))

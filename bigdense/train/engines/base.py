@@ -1,4 +1,4 @@
-"""The engine interface the training loop uses, its settings, and the pieces both engines share.
+"""The engine interface the training loop uses, its settings, and the pieces the engines share.
 
     settings = EngineSettings.from_run_config(cfg)       # or EngineSettings(engine=..., optim=..., ...)
     engine = bd.build_engine(model, ctx, settings)
@@ -10,7 +10,7 @@ Micro-batch ``i`` on DP rank ``d`` is read as rows ``[d * B, (d + 1) * B)`` of a
 of ``dp_size * B`` rows (`batch_slice`), so dropout masks do not depend on the DP size: a tp=2 x dp=2
 run draws the masks a single process draws on the concatenated batch.
 
-Both engines average the loss over the micro-batches and then over DP for reporting, and skip a
+Every engine averages the loss over the micro-batches and then over DP for reporting, and skip a
 step whose gradients hold an inf or nan on any rank on every rank (weights, optimizer state and LR
 schedule untouched), reporting ``skipped=True``.
 """
@@ -119,7 +119,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 class Engine:
-    """The interface the training loop uses; `DDPEngine` and `DSEngine` implement it.
+    """The interface the training loop uses; `DDPEngine`, `DSEngine` and `FSDPEngine` implement it.
 
     Attributes: ``model`` (the unwrapped bigdense model), ``optimizer``, ``scheduler`` (a
     ``LambdaLR``), ``scaler`` (`DynamicLossScaler` for DDP fp16, else None), ``ctx``, ``kind``,

@@ -63,47 +63,62 @@ class DDPEngine(Engine):
         self.precision = Precision(settings.precision, ctx.device, group=mesh_group(ctx))
         self.scaler = self.precision.scaler
         self.grad_clip = float(optim_cfg.grad_clip)
-        if ctx.dp_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # A parameter split over every rank (a world-sharded head) has no DP replicas to average.
-            world_sharded = [name for name, spec in named_shard_specs(model).items() if spec.group == "world"]
-            if world_sharded:
-                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, world_sharded)
-            # Buffers (masks, tables) are built alike on every rank: no broadcast before each forward.
-            self.wrapped = DistributedDataParallel(
-                model,
-                device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                process_group=ctx.dp_group,
-                bucket_cap_mb=float(settings.engine.bucket_cap_mb),
-                gradient_as_bucket_view=True,
-                **_no_buffer_sync(DistributedDataParallel),
-            )
-        else:
-            self.wrapped = model
-        self.optimizer = torch.optim.AdamW(
-            param_groups(model, optim_cfg.weight_decay), lr=float(optim_cfg.lr),
-            betas=tuple(float(b) for b in optim_cfg.betas), eps=float(optim_cfg.eps), fused=True,
-        )
+        self.wrapped = self._data_parallel(model)
+        self.optimizer = self._adamw(param_groups(model, optim_cfg.weight_decay))
         self.scheduler = build_lr_schedule(self.optimizer, optim_cfg, settings.max_steps)
-        self._params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self._params = [p for opt in self._optimizers() for group in opt.param_groups for p in group["params"]]
         self._partial = partial_grad_params(model)
         self._applied = torch.zeros((), dtype=torch.int64, device=ctx.device)  # applied optimizer steps
         self._host_epoch = self.scheduler.last_epoch  # the scheduler's value when it last matched
+
+    def _data_parallel(self, model):
+        """``model`` under DDP over the DP group (itself when ``dp_size`` is 1)."""
+        if self.ctx.dp_size == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        # A parameter split over every rank (a world-sharded head) has no DP replicas to average.
+        world_sharded = [name for name, spec in named_shard_specs(model).items() if spec.group == "world"]
+        if world_sharded:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, world_sharded)
+        # Buffers (masks, tables) are built alike on every rank: no broadcast before each forward.
+        return DistributedDataParallel(
+            model,
+            device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
+            process_group=self.ctx.dp_group,
+            bucket_cap_mb=float(self.settings.engine.bucket_cap_mb),
+            gradient_as_bucket_view=True,
+            **_no_buffer_sync(DistributedDataParallel),
+        )
+
+    def _adamw(self, groups: list[dict]) -> torch.optim.AdamW:
+        """torch's fused AdamW over ``groups`` with ``optim``'s hyper-parameters."""
+        optim_cfg = self.settings.optim
+        return torch.optim.AdamW(groups, lr=float(optim_cfg.lr), betas=tuple(float(b) for b in optim_cfg.betas),
+                                 eps=float(optim_cfg.eps), fused=True)
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers stepped together (one here; `FSDPEngine` may add one)."""
+        return [self.optimizer]
+
+    def _gradient_sync(self, last: bool):
+        """The context a micro-batch's forward and backward run in: DP reduction only in the last."""
+        if self.wrapped is self.model or last:
+            return contextlib.nullcontext()
+        return self.wrapped.no_sync()
 
     def train_step(self, micro_batches) -> StepResult:
         micro_batches = self._check_micro_batches(micro_batches)
         self.model.train()
         # Cleared here rather than after the step, so the gradients just applied stay readable
         # (the loop's gradient-RMS logging reads them).
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt in self._optimizers():
+            opt.zero_grad(set_to_none=True)
         n = len(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         with deferred_partial_grad_sums() if self._partial else contextlib.nullcontext():
             for i, (x, y) in enumerate(micro_batches):
-                last = i == n - 1
-                sync = self.wrapped.no_sync() if (self.wrapped is not self.model and not last) else contextlib.nullcontext()
-                with sync:
+                with self._gradient_sync(last=i == n - 1):
                     with self._batch_slice(), self.precision.autocast():
                         loss = self._check_loss(self.wrapped(x, y))
                     loss_sum += loss.detach().float()
@@ -124,8 +139,9 @@ class DDPEngine(Engine):
         bad = torch.maximum(bad, (~torch.isfinite(norm)).float())
         skip = comm.all_reduce_(bad, mesh_group(self.ctx), op=dist.ReduceOp.MAX)  # the one vote
         lr = self._set_lrs()
-        self.optimizer.found_inf, self.optimizer.grad_scale = skip, None  # fused AdamW: no update if 1
-        self.optimizer.step()
+        for opt in self._optimizers():
+            opt.found_inf, opt.grad_scale = skip, None  # fused AdamW: no update if 1
+            opt.step()
         self._applied += (skip == 0).long()
         if self.scaler is not None:
             self.scaler.update(skip)
@@ -137,9 +153,17 @@ class DDPEngine(Engine):
         self._take_loaded_schedule()
         factor = self.scheduler.lr_lambdas[0].on_device(self._applied)
         lrs = [base * factor for base in self.scheduler.base_lrs]
-        for group, lr in zip(self.optimizer.param_groups, lrs):
+        for group, lr in zip(self._groups(), self._aligned(lrs)):
             group["lr"] = lr.float()  # fused AdamW's kernels read an fp32 LR tensor (as they round a float LR)
         return lrs[0]
+
+    def _groups(self) -> list[dict]:
+        return [group for opt in self._optimizers() for group in opt.param_groups]
+
+    def _aligned(self, lrs: list) -> list:
+        """The scheduler's LR of each group of `_groups` (its own optimizer's groups come first;
+        every group has the same base LR, ``optim.lr``, so any further group takes the first's)."""
+        return lrs + [lrs[0]] * (len(self._groups()) - len(lrs))
 
     def _take_loaded_schedule(self) -> None:
         if self.scheduler.last_epoch != self._host_epoch:  # a checkpoint was loaded into it
@@ -153,7 +177,7 @@ class DDPEngine(Engine):
         applied = int(self._applied.item())
         self.scheduler.last_epoch = self._host_epoch = applied
         lrs = [base * self.scheduler.lr_lambdas[0](applied) for base in self.scheduler.base_lrs]
-        for group, lr in zip(self.optimizer.param_groups, lrs):
+        for group, lr in zip(self._groups(), self._aligned(lrs)):
             group["lr"] = lr
         self.scheduler._last_lr = lrs
 

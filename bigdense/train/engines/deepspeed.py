@@ -20,7 +20,7 @@ from .base import Engine, EngineSettings, StepResult, mesh_group, param_groups
 from .world_sharded import WorldShardedAdamW, split_world_sharded
 
 _INPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-ZERO_STAGES = (0, 1, 2)  # engine.zero_stage (stage 3 shards parameters, which TP already does)
+ZERO_STAGES = (0, 1, 2)  # engine.zero_stage
 
 
 def _power_of_two(key: str, value: float) -> int:
@@ -90,6 +90,10 @@ class DSEngine(Engine):
 
     @classmethod
     def check_config(cls, settings: EngineSettings, device_type: str) -> None:
+        if settings.engine.zero_stage == 3:
+            raise ConfigError("engine.zero_stage=3: DeepSpeed does not train ZeRO-3 with tensor parallelism (its AutoTP "
+                              "supports stages 0-2); to shard parameters, gradients and optimizer state over DP too, "
+                              "use engine=fsdp (FSDP2 over the DP dimension of the TP x DP mesh)")
         check_choice("engine.zero_stage", settings.engine.zero_stage, ZERO_STAGES)
         if settings.precision.dtype == "fp16":
             if device_type == "cpu":

@@ -10,8 +10,9 @@ from ...errors import check_choice
 from .base import Engine, EngineSettings
 from .ddp import DDPEngine
 from .deepspeed import DSEngine
+from .fsdp import FSDPEngine
 
-ENGINES = {"ddp": DDPEngine, "deepspeed": DSEngine}  # engine.kind -> class
+ENGINES = {"ddp": DDPEngine, "deepspeed": DSEngine, "fsdp": FSDPEngine}  # engine.kind -> class
 
 
 def engine_class(kind: str) -> type[Engine]:
