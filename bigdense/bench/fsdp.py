@@ -296,14 +296,16 @@ def dp_engine_collectives(counted: dict, kind: str) -> dict:
     return {"all_reduce": ddp}
 
 
-def bigdense_collectives(counted: dict) -> dict:
-    """bigdense's own collectives by group: ``{"tp": [calls, bytes], "dp": ..., "world": ...}``."""
+def bigdense_collectives(counted: dict, by: str = "group") -> dict:
+    """bigdense's own collectives by group (``{"tp": [calls, bytes], "dp": ..., "world": ...}``) or,
+    with ``by="kind"``, by kind (``{"all_reduce": [calls, bytes], ...}``)."""
     out = {}
     for key, (c, b) in counted["by"].items():
         kind, group, origin = key.split(" ")
         if origin == "bigdense":
-            calls, total = out.get(group, (0, 0))
-            out[group] = [calls + c, total + b]
+            name = group if by == "group" else kind
+            calls, total = out.get(name, (0, 0))
+            out[name] = [calls + c, total + b]
     return out
 
 
