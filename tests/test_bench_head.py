@@ -51,3 +51,25 @@ def test_world_suite_counts_no_head_byte_in_either_engines_dp_collectives(tmp_pa
     assert rows["deepspeed", "tp"]["dp_bytes"] >= 2 * (fc + head_bytes)
     for engine in ("ddp", "deepspeed"):  # the same loss either way (the sharding is exact)
         assert rows[engine, "world"]["loss"] == pytest.approx(rows[engine, "tp"]["loss"], rel=1e-6)
+
+
+@pytest.mark.slow  # seven spawned pairs of ranks
+def test_head_floor_bench_measures_every_mode_and_counts_no_host_sync(tmp_path, capsys):
+    from bigdense.bench import head_floor
+
+    path = tmp_path / "floor.jsonl"
+    head_floor.main(["--classes", "3001", "--features", "16", "--tokens", "64", "--iters", "1", "--warmup", "0",
+                     "--json", str(path)])
+    rows = {r["mode"]: r for r in map(json.loads, open(path))}
+    assert list(rows) == list(head_floor.MODES)
+    for mode in ("tp", "world", "sampled", "sampled-step"):
+        assert rows[mode]["syncs_per_call"] == 0, rows[mode]["sync_ops"]  # checks off: nothing read on the host
+    # Each mode against its own floor: the exact heads against all their classes, the sampled
+    # heads (and Partial FC) against the classes a sample scores on each rank.
+    assert rows["tp"]["x_floor"] == pytest.approx(rows["tp"]["median_s"] / rows["floor"]["median_s"])
+    assert rows["partial-fc"]["x_floor"] == pytest.approx(
+        rows["partial-fc"]["median_s"] / rows["floor-sampled"]["median_s"])
+    assert rows["floor"]["floor_rows"] == [1501, 1500]
+    assert all(0 < n < 1501 for n in rows["floor-sampled"]["floor_rows"])
+    assert all(math.isfinite(rows[m]["loss"]) for m in ("tp", "world", "sampled", "partial-fc"))
+    assert "world / tp" in capsys.readouterr().out

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -155,16 +155,16 @@ def measure_step_peak(step, model, optimizer, device) -> dict:
     return {"peak_bytes": live.peak, "start_bytes": start, "peak_op": live.peak_op}
 
 
-def measure_config(cfg, repeats: int = 3) -> dict:
+def measure_config(cfg, repeats: Optional[int] = None) -> dict:
     """Run training steps of the model ``cfg`` (the training config) describes, on this process's
     rank of ``parallel.tp`` x ``parallel.dp``, with random tokens, and measure the steady state
-    (optimizer state exists): the least peak of ``repeats`` steps after a first. Returns
-    `measure_step_peak`'s dict.
+    (optimizer state exists): the least peak of ``repeats`` steps after a first (default: 3 with
+    several ranks, 1 alone). Returns `measure_step_peak`'s dict.
 
     Why the least: gloo's worker threads drop their references to a collective's buffers when they
     are next scheduled; on a loaded machine that can come after the main thread's peak, and the
     step then reads high (by whole activation-sized buffers, never low). The least of a few steps
-    is the step as the code runs it.
+    is the step as the code runs it. A single process has no collectives, so one step is exact.
 
     The model is the job's own: the reference GPT (`build_gpt`), or for ``model=hf`` the Hugging
     Face model of ``model.path`` (`build_hf`, converted by its own plan in `parallelize_model`)
@@ -174,6 +174,7 @@ def measure_config(cfg, repeats: int = 3) -> dict:
     from ..jobs import parallelize_model
 
     ctx = init_parallel(tp=int(cfg.parallel.tp or 1), dp=cfg.parallel.dp)
+    repeats = repeats or (3 if ctx.world_size > 1 else 1)
     torch.manual_seed(0)
     model, vocab = _build(cfg, ctx)
     engine = parallelize_model(model, ctx, cfg, load_pretrained=False).engine

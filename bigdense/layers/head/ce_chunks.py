@@ -67,9 +67,11 @@ class ChunkBuffers:
         return self.low[: pt.numel()].view(pt.shape).copy_(pt)
 
 
-def chunk_stats(zt: torch.Tensor, t_local: torch.Tensor, in_shard: torch.Tensor, smoothing: bool):
+def chunk_stats(zt: torch.Tensor, t_local: torch.Tensor, in_shard: torch.Tensor, smoothing: bool,
+                real: Optional[torch.Tensor] = None):
     """Local softmax statistics of fp32 logits ``zt`` (C_local, n), classes-major; leaves
-    ``exp(z - m_local)`` in ``zt``.
+    ``exp(z - m_local)`` in ``zt``. ``real`` (C_local,) bool: the rows that are classes, the others
+    padding of a sample (logit -inf).
 
     Returns (4, n): max, sum of exp(z - max), target logit (0 off-shard), sum of logits (0 unless
     smoothing).
@@ -82,8 +84,9 @@ def chunk_stats(zt: torch.Tensor, t_local: torch.Tensor, in_shard: torch.Tensor,
     stats[0] = zt.amax(dim=0)
     stats[2] = torch.where(in_shard, zt.gather(0, t_local.unsqueeze(0)).squeeze(0), 0.0)
     if smoothing:
-        stats[3] = zt.sum(dim=0)
-    zt.sub_(stats[0]).exp_()
+        stats[3] = (zt if real is None else torch.where(real.unsqueeze(1), zt, 0.0)).sum(dim=0)
+    # (A sample with no class here has a max of -inf: shifted by the lowest float instead, exp gives 0.)
+    zt.sub_(stats[0].clamp(min=torch.finfo(zt.dtype).min)).exp_()
     stats[1] = zt.sum(dim=0)
     return stats
 

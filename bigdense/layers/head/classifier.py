@@ -23,7 +23,7 @@ from ...parallel import comm, schedule
 from ...parallel.autocast import autocast_dtype
 from ...parallel.regions import copy_to_tp, gather_from_sequence
 from ...errors import check_positive_int, is_positive_int
-from .modes import ClassGroups, check_target, loss_inputs, resolve_class_groups
+from .modes import ClassGroups, DPBlocks, check_target, loss_inputs, resolve_class_groups
 from ..init import InitSpec, init_bias_
 from ..linear import ColumnParallelLinear
 from .margin import MarginSpec, resolve_margin
@@ -133,6 +133,7 @@ class ParallelClassifierHead(ColumnParallelLinear):
             tp_group=groups.classes, device=device, dtype=dtype,
         )
         self._tied_embedding = None  # (embedding,) once `tie_weights` ran
+        self._dp_blocks = DPBlocks()  # how DP ranks' tokens are gathered (world sharding, sampling)
         self.chunk_size = chunk_size
         self.grad_strategy = grad_strategy
         self.sample_rate = float(sample_rate)
@@ -269,6 +270,7 @@ class ParallelClassifierHead(ColumnParallelLinear):
             ),
             grad_group=self.groups.tp if x.rows is not None else None,
             rows=x.rows,
+            sample=x.classes.sample,
         )
         out = schedule.tag(FusedVocabParallelCE.apply(x.h, x.classes.weight, x.classes.bias, x.classes.target,
                                                       x.target_offset, cfg))

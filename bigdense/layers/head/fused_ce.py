@@ -46,8 +46,10 @@ from typing import Optional
 
 import torch
 
+from ...host_checks import checks_enabled
 from ...parallel import comm
 from ...parallel.autocast import no_autocast
+from .sampling import SampleRows
 from .ce_chunks import (  # noqa: F401 - auto_chunk_size is part of this module's interface
     AUTO_CHUNK_BYTES, ChunkBuffers, add_at_target_, auto_chunk_size, cast_operands, chunk_grads, chunk_stats,
     finish_combine, start_combine,
@@ -71,11 +73,15 @@ class CEConfig:
     # The group ``grad_h`` is summed over (the ranks sharing these tokens); ``group`` when None.
     grad_group: Optional[comm.ProcessGroup] = None
     rows: Optional["RowBlocks"] = None  # the tokens are every DP rank's, gathered (classes split over DP too)
+    sample: Optional[SampleRows] = None  # the classes are a sample padded to a static capacity
 
     @property
-    def smoothing_classes(self) -> int:
-        """The classes label smoothing spreads over: ``num_classes``, or 1 when a sample scores no
-        class at all (every token is ignored then: targets are always scored)."""
+    def smoothing_classes(self):
+        """The classes label smoothing spreads over: ``num_classes`` (a sample's count, a device
+        scalar), at least 1 (a sample of no class: every token is ignored then, targets are always
+        scored)."""
+        if self.sample is not None:
+            return self.sample.total.clamp(min=1.0)
         return max(self.num_classes, 1)
 
     @property
@@ -86,22 +92,27 @@ class CEConfig:
 @dataclass(frozen=True)
 class RowBlocks:
     """The tokens are the concatenation of every DP rank's tokens, ``sizes`` rows each in rank order,
-    and this rank's are block ``rank``. The loss is then this rank's own (the mean over its own
-    tokens), ``h``'s gradient that loss's, and the weight's gradient the DP average of every rank's
-    loss gradient -- what data-parallel averaging makes of a head split over TP only."""
+    and this rank's are the first ``count`` rows of block ``rank`` (the rest, with checks off, are
+    padding with ignored targets). The loss is then this rank's own (the mean over its own tokens),
+    ``h``'s gradient that loss's, and the weight's gradient the DP average of every rank's loss
+    gradient -- what data-parallel averaging makes of a head split over TP only."""
 
     group: Optional[comm.ProcessGroup]
     sizes: tuple[int, ...]
     rank: int
+    count: int
 
     @property
     def own(self) -> slice:
         start = sum(self.sizes[: self.rank])
-        return slice(start, start + self.sizes[self.rank])
+        return slice(start, start + self.count)
 
     def block_of_rows(self, device) -> torch.Tensor:
-        return torch.repeat_interleave(torch.arange(len(self.sizes), device=device),
-                                       torch.tensor(self.sizes, device=device))
+        """The DP rank whose block each row is in, (N,). Built on the host and copied without a
+        wait (``repeat_interleave`` on the device would read its output size there)."""
+        blocks = torch.repeat_interleave(torch.arange(len(self.sizes)), torch.tensor(self.sizes),
+                                         output_size=sum(self.sizes))
+        return blocks.to(device, non_blocking=True)
 
 
 class FusedVocabParallelCE(torch.autograd.Function):
@@ -141,12 +152,15 @@ def _forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
     valid = target != cfg.ignore_index
     # Labels out of range reach here only with host checks off: their loss and weight become NaN.
     bad = valid & ((target < 0) | (target >= cfg.num_classes))
+    if cfg.sample is not None:  # a sample larger than its capacity: NaN on every rank, the step is skipped
+        bad = bad | (valid & cfg.sample.overflow)
     t_local = target - cfg.class_start
     in_shard = valid & (t_local >= 0) & (t_local < c_local)
     t_local = torch.where(in_shard, t_local, 0)
     token_weight, count = _token_weights(valid, cfg)
     token_weight = token_weight.masked_fill(bad, float("nan"))
     offset = None if target_offset is None else torch.where(in_shard, target_offset.float(), 0.0)
+    real = None if cfg.sample is None else cfg.sample.real
 
     hc_all, wc, bc = cast_operands(h, weight, bias, cfg.compute_dtype)
     overlap = comm.group_size(cfg.group) > 1  # two logits slots: one chunk's collective runs under the next's matmul
@@ -171,8 +185,10 @@ def _forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
             loss = loss - (cfg.label_smoothing / cfg.smoothing_classes) * z_sum
         losses[rows] = torch.where(valid[rows], loss, 0.0)
         if grads_now:
-            # exp(z - m_local) * exp(m_local - lse) is the softmax.
-            chunk_grads(zt, torch.exp(stats[0] - lse), t_local[rows], in_shard[rows], token_weight[rows],
+            # exp(z - m_local) * exp(m_local - lse) is the softmax; 0 where this rank scores no class
+            # (a sample's padding only), also when no rank does (lse = -inf: every token is ignored).
+            scale = torch.where(stats[0] == float("-inf"), 0.0, torch.exp(stats[0] - lse))
+            chunk_grads(zt, scale, t_local[rows], in_shard[rows], token_weight[rows],
                         hc_all[rows], wc, rows, grads, bufs, cfg.label_smoothing, cfg.smoothing_classes)
 
     pending = None
@@ -181,7 +197,7 @@ def _forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
         zt = bufs.logits(hc_all[rows], wc, bc, index % len(bufs.fp32))
         if offset is not None:
             add_at_target_(zt, t_local[rows], offset[rows])
-        stats = chunk_stats(zt, t_local[rows], in_shard[rows], smoothing)  # z := exp(z - m_local)
+        stats = chunk_stats(zt, t_local[rows], in_shard[rows], smoothing, real)  # z := exp(z - m_local)
         started = start_combine(stats, cfg.group)
         if pending is not None:  # the previous chunk's statistics arrived while this chunk's matmul ran
             finish(*pending)
@@ -250,6 +266,8 @@ def _incoming_per_token(ctx, grad_out) -> torch.Tensor:
     # reduction="none" a rank holding one token also sends one gradient per token.
     scalar = ctx.cfg.reduction != "none"
     sizes = [1] * len(rows.sizes) if scalar else list(rows.sizes)
+    if not scalar and rows.count < rows.sizes[rows.rank]:  # padding rows: no gradient
+        g = torch.cat([g, g.new_zeros(rows.sizes[rows.rank] - rows.count)])
     every = comm.all_gather_dim(g.contiguous(), 0, rows.group, sizes)
     return every[rows.block_of_rows(g.device)] if scalar else every
 
@@ -280,14 +298,18 @@ def _backward(ctx, grad_out):
 
 def _one_factor(per_token: torch.Tensor, rows: "RowBlocks") -> torch.Tensor:
     """The one incoming factor every DP rank passed; the weight gradient, a sum over every rank's
-    tokens formed in the forward, can only be scaled by one."""
-    if per_token.numel() and not bool((per_token == per_token[0]).all()):
+    tokens formed in the forward, can only be scaled by one. Different factors raise with checks on
+    and make the weight gradient NaN with checks off (nothing is read on the host then)."""
+    if not per_token.numel():
+        return per_token.new_ones(())
+    same = (per_token == per_token[0]).all()
+    if checks_enabled() and not bool(same):
         raise RuntimeError(
             "ParallelClassifierHead.loss (shard='world', grad_strategy='forward'): the DP ranks "
             "backpropagated different factors into their losses; the weight gradient was formed in the forward "
             "for one common factor. Use grad_strategy='recompute' for per-rank loss weights."
         )
-    return per_token[0] if per_token.numel() else per_token.new_ones(())
+    return torch.where(same, per_token[0], float("nan"))
 
 
 def _cast_grads(grads, dtypes):
@@ -311,7 +333,8 @@ def _recompute_backward(ctx, grad_out):
         p = bufs.logits(hc_all[rows], wc, bc, 0)
         if offset is not None:
             add_at_target_(p, ctx.t_local[rows], offset[rows])
-        p.sub_(ctx.lse[rows]).exp_()
+        # (lse = -inf only where no rank scores a class: padding rows of -inf then give exp(-inf) = 0)
+        p.sub_(ctx.lse[rows].clamp(min=torch.finfo(torch.float32).min)).exp_()
         chunk_grads(p, 1.0, ctx.t_local[rows], ctx.in_shard[rows], token_weight[rows], hc_all[rows], wc, rows,
                     (grad_h, grad_w, grad_b), bufs, cfg.label_smoothing, cfg.smoothing_classes)
     if grad_h is not None and n_tokens and cfg.sum_grad_h:

@@ -14,10 +14,9 @@ import torch.nn.functional as F
 from ...host_checks import checks_enabled
 from ...parallel import comm
 from ...parallel.context import get_default_context, resolve_tp_group
-from ...parallel.random import draw_seed
 from ...parallel.regions import gather_batch_from_dp
 from .margin import target_offset
-from .sampling import ScoredClasses, sample_classes
+from .sampling import ScoredClasses, draw_sample_seed, sample_classes
 from .fused_ce import RowBlocks
 
 SHARD_MODES = ("tp", "world")
@@ -58,6 +57,51 @@ def resolve_class_groups(shard: str, tp_group, dp_group, where: str) -> ClassGro
     return ClassGroups("world", dist.group.WORLD, tp, dp)
 
 
+class DPBlocks:
+    """The rows each DP rank's tokens take when a head gathers them (a world-sharded head's tokens, a
+    sampled head's targets), decided without a host read once the ranks' counts are known.
+
+    With checks on (`bd.set_checks`), every call exchanges the ranks' token counts (one tiny
+    all-gather, read on the host) and the blocks are exact. With checks off nothing is read: every
+    rank pads its tokens to ``capacity``, the largest count of any earlier exchange (the rows are
+    ignored targets: no loss, no gradient), and only the first call of a head exchanges. A rank with
+    more tokens than that raises, naming the head; the other ranks then fail at the collective's
+    deadline. A training loop gets its capacity from its first, checked steps."""
+
+    def __init__(self):
+        self.capacity: Optional[int] = None
+
+    def sizes(self, n: int, group, device, where: str) -> tuple[int, ...]:
+        ranks = comm.group_size(group)
+        if checks_enabled() or self.capacity is None:
+            sizes = tuple(comm.all_gather_sizes(n, group, device))
+            self.capacity = max(self.capacity or 0, *sizes)
+            return sizes if checks_enabled() else (self.capacity,) * ranks
+        if n > self.capacity:
+            raise ValueError(
+                f"{where}: {n} tokens on this rank, more than the {self.capacity} every DP rank pads to with "
+                "bd.set_checks(False) (the most any rank had while checks were on, or at the first call); run "
+                "the largest batch once with checks on"
+            )
+        return (self.capacity,) * ranks
+
+
+def gather_from_dp(head, target: torch.Tensor, ignore_index: int, h: Optional[torch.Tensor] = None):
+    """Every DP rank's targets (and tokens ``h``, whose gradient is reduce-scattered back), in rank
+    order, and the `RowBlocks` that say which rows are this rank's (with checks off, rows of
+    padding hold ``ignore_index``)."""
+    groups, n = head.groups, target.shape[0]
+    sizes = head._dp_blocks.sizes(n, groups.dp, target.device, head._where())
+    rank = comm.group_rank(groups.dp)
+    if sizes[rank] > n:
+        pad = sizes[rank] - n
+        target = torch.cat([target, target.new_full((pad,), ignore_index)])
+        h = None if h is None else torch.cat([h, h.new_zeros(pad, h.shape[1])])
+    target = comm.all_gather_dim(target, 0, groups.dp, sizes)
+    h = None if h is None else gather_batch_from_dp(h, groups.dp, sizes)
+    return h, target, RowBlocks(groups.dp, sizes, rank, n)
+
+
 @dataclass
 class LossInputs:
     """What `FusedVocabParallelCE` gets: tokens ``h`` (N, D), the scored ``classes`` of this rank,
@@ -75,18 +119,18 @@ def loss_inputs(head, h: torch.Tensor, target: torch.Tensor, ignore_index: int) 
     In order: a world-sharded head gathers every DP rank's tokens (their gradients are
     reduce-scattered back); sampling keeps the scored class rows and renumbers the targets; a
     margin normalises both sides, scales the tokens and computes what it adds to the target logits.
+    Nothing here reads the device on the host with checks off.
     """
     groups, rows = head.groups, None
     if groups.shard == "world":  # every rank scores every DP rank's tokens against its own classes
-        sizes = tuple(comm.all_gather_sizes(target.shape[0], groups.dp, h.device))
-        h = gather_batch_from_dp(h, groups.dp, sizes)
-        target = comm.all_gather_dim(target, 0, groups.dp, sizes)
-        rows = RowBlocks(groups.dp, sizes, comm.group_rank(groups.dp))
+        h, target, rows = gather_from_dp(head, target, ignore_index, h)
     classes = ScoredClasses(head.weight, head.bias, target, head.class_start, head.num_classes, ignore_index,
                             max(head.partition_sizes))
     if head.sample_rate < 1.0:
-        global_targets = target if rows is not None else comm.all_gather_dim(target, 0, groups.dp)
-        classes = sample_classes(classes, draw_seed(), head.sample_rate, global_targets, groups.classes)
+        global_targets = target
+        if rows is None and comm.group_size(groups.dp) > 1:
+            global_targets = gather_from_dp(head, target, ignore_index)[1]
+        classes = sample_classes(classes, draw_sample_seed(), head.sample_rate, global_targets, groups.classes)
     offset = None
     if head.margin is not None:
         h_unit, w_unit = F.normalize(h, dim=-1), F.normalize(classes.weight, dim=-1)
