@@ -13,6 +13,8 @@ TORCH_VERSION ?= 2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
+# pytest workers: the test process runs on one thread, so one worker per core keeps both busy.
+TEST_WORKERS ?= 2
 ARGS ?=
 # A run directory to resume or extend (trainer.run_dir); empty: a new one per launch.
 RUN ?=
@@ -34,10 +36,10 @@ classify: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) launch/classify.py $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 test-quick: setup
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

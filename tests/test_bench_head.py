@@ -11,7 +11,7 @@ from bigdense.bench import head
 
 def test_accuracy_suite_writes_one_json_row_per_head(tmp_path, capsys):
     path = tmp_path / "acc.jsonl"
-    head.main(["--suite", "accuracy", "--acc-classes", "40", "--acc-batch", "64", "--steps", "6",
+    head.main(["--suite", "accuracy", "--start-method", "fork", "--acc-classes", "40", "--acc-batch", "64", "--steps", "6",
                "--json", str(path)])
     rows = [json.loads(line) for line in open(path)]
     assert [r["head"] for r in rows] == ["nearest true centre", "softmax r=1.0", "softmax r=0.1", "ArcFace r=1.0",
@@ -38,7 +38,7 @@ def test_accuracy_suite_refuses_sizes_it_cannot_measure(flags, capsys):
 def test_world_suite_counts_no_head_byte_in_either_engines_dp_collectives(tmp_path):
     path = tmp_path / "world.jsonl"
     classes, features = 2000, 16
-    head.main(["--suite", "world", "--classes", str(classes), "--features", str(features), "--tokens", "64",
+    head.main(["--suite", "world", "--start-method", "fork", "--classes", str(classes), "--features", str(features), "--tokens", "64",
                "--iters", "1", "--warmup", "1", "--json", str(path)])
     rows = {(r["engine"], r["shard"]): r for r in map(json.loads, open(path))}
     head_bytes = classes * features * 4
@@ -58,7 +58,7 @@ def test_head_floor_bench_measures_every_mode_and_counts_no_host_sync(tmp_path, 
     from bigdense.bench import head_floor
 
     path = tmp_path / "floor.jsonl"
-    head_floor.main(["--classes", "3001", "--features", "16", "--tokens", "64", "--iters", "1", "--warmup", "0",
+    head_floor.main(["--start-method", "fork", "--classes", "3001", "--features", "16", "--tokens", "64", "--iters", "1", "--warmup", "0",
                      "--json", str(path)])
     rows = {r["mode"]: r for r in map(json.loads, open(path))}
     assert list(rows) == list(head_floor.MODES)

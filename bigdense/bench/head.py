@@ -4,7 +4,8 @@
     python -m bigdense.bench.head --classes 8192 --tokens 512 --iters 2 --warmup 1   # a quick smoke run
     python -m bigdense.bench.head --suite xc            # sampled / world / margin (bench/head_xc.py)
 
-Contenders, each in fresh processes (spawned, so each peak RSS is its own):
+Contenders, each in fresh processes (spawned, so each peak RSS is its own; ``--start-method fork``
+starts them faster for tests, their RSS then including this process's pages):
 
 * ``unsharded``: ``nn.Linear`` + ``F.cross_entropy`` in one process with 2 threads -- the baseline;
 * ``bigdense``: `ParallelClassifierHead.loss` at tp=2, two gloo CPU processes with 1 thread each;
@@ -180,6 +181,9 @@ def main(argv=None) -> None:
         help=f"comma-separated, run in this order; any of {', '.join(CONTENDERS)}",
     )
     parser.add_argument("--json", help="append one JSON object per result to this file")
+    parser.add_argument("--start-method", default="spawn", choices=("spawn", "fork"),
+                        help="how contender processes start: spawn (default) gives each its own peak RSS; fork starts "
+                             "in milliseconds but its RSS includes pages of this process (for tests)")
     args = parser.parse_args(argv)
     if args.acc_classes < 3 or args.steps < 2:
         parser.error(f"--acc-classes must be at least 3 and --steps at least 2, got {args.acc_classes} and {args.steps}")
@@ -206,7 +210,7 @@ def main(argv=None) -> None:
     for name in names:
         world = 1 if name == "unsharded" else args.tp
         results = run_ranks(
-            this._contender, world, name, args, start_method="spawn", timeout=budget, collective_timeout=budget,
+            this._contender, world, name, args, start_method=args.start_method, timeout=budget, collective_timeout=budget,
             init_process_group=world > 1,
         )
         # The slowest rank sets the pace.

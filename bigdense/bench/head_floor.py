@@ -23,8 +23,9 @@ forward + backward with the input requiring grad, the same weights and inputs ev
   normalised logits held whole, a softmax over ranks by all-reduced max and sum. Skipped (and said so)
   where its logits would not fit in this machine's memory.
 
-Printed per mode: the median time (each iteration's slowest rank), its ratio to its floor, peak RSS
-per rank (VmHWM) and host synchronisations per call with `bd.set_checks(False)` (counted by
+Each mode runs in its own pair of spawned processes (``--start-method fork`` starts them faster for
+tests, their RSS then including this process's pages). Printed per mode: the median time (each
+iteration's slowest rank), its ratio to its floor, peak RSS per rank (VmHWM) and host synchronisations per call with `bd.set_checks(False)` (counted by
 `bigdense.testing.OpCounter` on one extra call, after a first call that may set up capacities);
 then the issue's ratios: world / tp, sampled / Partial FC time and memory. ``--json PATH`` appends
 one object per row. For reading, never for asserting.
@@ -353,6 +354,9 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--json", help="append one JSON object per row to this file")
+    parser.add_argument("--start-method", default="spawn", choices=("spawn", "fork"),
+                        help="how each mode's ranks start: spawn (default) gives each its own peak RSS; fork starts "
+                             "in milliseconds but its RSS includes pages of this process (for tests)")
     args = parser.parse_args(argv)
     if args.tokens % 2:
         parser.error(f"--tokens must be even (two ranks), got {args.tokens}")
@@ -360,7 +364,7 @@ def main(argv=None) -> None:
     from bigdense.testing import run_ranks
 
     def spawn(fn, *fn_args):
-        return run_ranks(fn, 2, *fn_args, start_method="spawn", timeout=7200, collective_timeout=3600)
+        return run_ranks(fn, 2, *fn_args, start_method=args.start_method, timeout=7200, collective_timeout=3600)
 
     print(f"classifier head modes vs their GEMM floor: d={args.features}, {args.tokens:,} tokens, fp32, 2 ranks x "
           f"1 thread, fwd+bwd, median of {args.iters} after {args.warmup} warm-up; sampled: r={args.rate}, CosFace")

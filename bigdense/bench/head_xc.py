@@ -14,7 +14,8 @@
     --suite xc         all four
 
 Sizes are flags (``--classes``, ``--features``, ``--tokens``, ``--steps``); each contender runs in
-fresh spawned processes so each peak RSS (VmHWM) is its own. Ratios are against the first
+fresh spawned processes so each peak RSS (VmHWM) is its own (``--start-method fork``, for tests,
+starts them faster, their RSS then including this process's pages). Ratios are against the first
 contender of the suite, measured in the same run; ``--json PATH`` appends one object per result.
 For reading, not asserting.
 """
@@ -334,7 +335,7 @@ def run(args) -> None:
 
     def spawn(fn, world, *fn_args):
         name = fn.__name__
-        return run_ranks(getattr(this, name), world, *fn_args, start_method="spawn", timeout=3600,
+        return run_ranks(getattr(this, name), world, *fn_args, start_method=args.start_method, timeout=3600,
                          collective_timeout=3600, init_process_group=world > 1)
 
     for name in (SUITES if args.suite == "xc" else [args.suite]):

@@ -12,11 +12,11 @@ parameter sharded, and how" is decided. It is then read two ways: per module thr
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.distributed.tensor import DTensor
 
 
 def shard_sizes(total: int, parts: int) -> list[int]:
@@ -134,8 +134,11 @@ def is_world_sharded(param: torch.Tensor) -> bool:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: a DTensor's local tensor (an FSDP-sharded parameter or gradient:
     a slice along dim 0 of the TP-local tensor), else ``t`` itself. A view: writing it writes ``t``."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return t._local_tensor if is_dtensor(t) else t
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor)
+    # No DTensor exists before its module is imported, and importing it costs every process a
+    # second or more (most never meet one): look it up instead.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
