@@ -25,9 +25,11 @@ from bigdense.data import prepare_data
 from bigdense.jobs import build_gpt, build_hf, model_tokenizer, parallelize_model, start_run
 from bigdense.jobs.loop import StepLoop
 from bigdense.jobs.run import launch, run_job
+from bigdense.layers.prune_schedule import GradualPruning
 from bigdense.train.checkpointing import RunCheckpoints
 from bigdense.train.faults import train_step_or_diagnose
 from bigdense.train.flops import flops_per_token, mfu, peak_tflops
+from bigdense.train.histograms import DenseLayerHistograms
 from bigdense.train.metrics import DenseLayerStats, MetricsLog, peak_memory_gb, plot_loss_curve
 
 log = logging.getLogger("bigdense")
@@ -73,7 +75,9 @@ def train(cfg) -> None:
              cfg.engine.kind, cfg.precision.dtype, cfg.recompute.mode)
 
     # 4. Resume from this run directory's last complete checkpoint, if any (a larger max_steps
-    #    extends the run).
+    #    extends the run). Gradual pruning (the prune group) gives its layers masks first, which
+    #    the checkpoint restores.
+    pruner = GradualPruning(model, cfg.prune)
     ckpts = RunCheckpoints(run.checkpoint_dir, engine, tr, cfg)
     start_step, data_offset = ckpts.resume()
 
@@ -87,6 +91,7 @@ def train(cfg) -> None:
     if loop.resumed:
         metrics.write({"kind": "resume", "step": start_step})  # marked on the loss curve
     stats = DenseLayerStats(model, ctx.tp_group) if tr.log_rms else None
+    histograms = DenseLayerHistograms(model, ctx.tp_group) if tr.tensorboard and tr.log_histograms else None
     tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * ctx.dp_size
     flops_token = flops_per_token(counts["total"], *model.depth_and_width(), cfg.data.seq_len)
     peak = peak_tflops(ctx.device, tr.peak_tflops)
@@ -94,6 +99,7 @@ def train(cfg) -> None:
         micro_batches = [data.train_batch(step.pos, m, ctx.dp_rank, ctx.dp_size) for m in range(cfg.data.grad_accum)]
         if stats is not None:
             stats.capture = step.log
+        pruner.before_step(step.number)  # at the schedule's events only
         result = train_step_or_diagnose(engine, micro_batches, ctx, step.number)
         if stats is not None:
             stats.capture = False  # not through the evaluation that may follow
@@ -116,6 +122,8 @@ def train(cfg) -> None:
             if stats is not None:
                 record.update(stats.collect())
             metrics.write(record)
+            if histograms is not None:  # a collective: every rank, on logging steps only
+                metrics.write_histograms(histograms.collect(), step.number)
             if ctx.is_main:
                 util = f" | MFU {record['mfu']:.1%}" if record["mfu"] is not None else ""
                 bar.write(f"step {step.number:5d} | loss {record['loss']:.4f} | grad norm {record['grad_norm']:.3f} | "

@@ -67,6 +67,46 @@ def test_compress_writes_a_checkpoint_and_report_that_loads_at_another_tp(checkp
         assert loss == pytest.approx(report["held_out_loss_after"], rel=1e-5)
 
 
+def _reloaded(path):
+    """At tp=2: the held-out loss of a compressed checkpoint, and the structure it was built in."""
+    from bigdense.compress import held_out_loss
+
+    ctx = bd.init_parallel(tp=2)
+    model, cfg, _ = load_reference_gpt(path, ctx)
+    mlp = model.blocks[0].mlp
+    return held_out_loss(model, cfg, ctx, 2), type(mlp.up).__name__, mlp.d_hidden, hasattr(mlp.up, "weight_mask")
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--prune", "0.5", "--structure", "rows"], ("ColumnParallelLinear", 192, False)),
+    (["--prune", "0.7"], ("ColumnParallelLinear", 384, True)),
+    (["--int8"], ("Int8Linear", 384, False)),
+], ids=["rows", "unstructured", "int8"])
+def test_compress_prune_and_int8_write_checkpoints_that_load_at_another_tp(checkpoint, tmp_path, args, expect):
+    out = tmp_path / "compressed"
+    assert main([str(checkpoint), *args, "--out", str(out)]) == 0
+    report = json.loads((out / "compress_report.json").read_text())
+    for r in report["layers"]:
+        assert r["forward_ms_before"] > 0 and r["forward_ms_after"] > 0 and r["flops_per_token_after"] > 0
+        assert 0 <= r["relative_frobenius_error"] < 1
+    if "rows" in args:  # every block's MLP halved: 384 -> 192 hidden units, recorded for the fine-tune
+        assert report["d_hidden"] == 192 and {r["layer"] for r in report["layers"]} == {
+            f"blocks.{i}.mlp.{n}" for i in range(2) for n in ("up", "down")}
+        assert all(r["params_after"] < r["params_before"] for r in report["layers"])
+        assert report["fine_tune_overrides"] == [f"trainer.init_from={out}"]
+    elif "--int8" in args:  # int8's error: about max|w| / 127 / sqrt(12) per weight, under 1%
+        assert all(r["relative_frobenius_error"] < 0.01 and r["weight_bytes_after"] < r["weight_bytes_before"] / 3
+                   for r in report["layers"])
+        assert abs(report["held_out_loss_after"] - report["held_out_loss_before"]) < 0.01
+    else:  # one global threshold: 70% of the blocks' weights gone in all (per layer it varies)
+        kept = sum(r["params_after"] - r["out"] for r in report["layers"])  # nonzero weights (every layer has a bias)
+        assert kept == pytest.approx(0.3 * sum(r["in"] * r["out"] for r in report["layers"]), abs=1)
+        assert all(r["sparse_format"] in (None, "csr") for r in report["layers"])
+    for loss, *structure in run_ranks(_reloaded, 2, out):
+        assert loss == pytest.approx(report["held_out_loss_after"], rel=1e-5)
+        assert tuple(structure) == expect
+
+
 def test_compress_bad_input(checkpoint, tmp_path, capsys):
     assert main([str(checkpoint), "--energy", "1.5"]) == 2
     assert "energy must be in (0, 1], got 1.5" in capsys.readouterr().err
@@ -74,12 +114,21 @@ def test_compress_bad_input(checkpoint, tmp_path, capsys):
     assert "--layers 'encoder.*' matches no dense layer" in capsys.readouterr().err
     assert main([str(tmp_path / "nothing"), "--rank", "3"]) == 2
     assert not (tmp_path / "nothing-lowrank-r3").exists()
+    assert main([str(checkpoint), "--prune", "1.5"]) == 2
+    assert "sparsity must be a number in [0, 1]" in capsys.readouterr().err
+    assert main([str(checkpoint), "--prune", "0.5", "--structure", "rows", "--layers", "blocks.0.*",
+                 "--eval-batches", "0"]) == 2
+    assert "shrinks every block's MLP alike" in capsys.readouterr().err
 
 
 @pytest.mark.slow
-def test_compressed_checkpoint_fine_tunes_in_launch_train(checkpoint, tmp_path, small):
+@pytest.mark.parametrize("args, adopted", [(["--rank", "8"], "model.low_rank from"),
+                                           (["--prune", "0.5", "--structure", "rows"], "model.d_hidden=192 from"),
+                                           (["--prune", "0.7"], None)],
+                         ids=["lowrank", "rows", "unstructured"])
+def test_compressed_checkpoint_fine_tunes_in_launch_train(checkpoint, tmp_path, small, args, adopted):
     out = tmp_path / "compressed"
-    assert main([str(checkpoint), "--rank", "8", "--eval-batches", "0", "--out", str(out)]) == 0
+    assert main([str(checkpoint), *args, "--eval-batches", "0", "--out", str(out)]) == 0
     report = json.loads((out / "compress_report.json").read_text())
     cmd = [sys.executable, TRAIN, *small, "model.n_layers=2", "model.d_model=96", "model.n_heads=2",
            *report["fine_tune_overrides"], "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
@@ -87,3 +136,14 @@ def test_compressed_checkpoint_fine_tunes_in_launch_train(checkpoint, tmp_path, 
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"model weights from {out}" in done.stdout + done.stderr
+    if adopted:
+        assert f"{adopted} trainer.init_from={out}" in done.stdout + done.stderr
+    else:  # the masks came with the weights, and the fine-tune kept the pruned weights zero
+        from safetensors.torch import load_file
+
+        import bigdense as bd
+
+        (latest,) = (tmp_path / "run").rglob("latest")
+        exported = load_file(bd.export_dense(latest, tmp_path / "ft.safetensors"))
+        masks = {k: v for k, v in exported.items() if k.endswith(".weight_mask")}
+        assert masks and all(not exported[k.replace("_mask", "")][~v].any() for k, v in masks.items())

@@ -105,3 +105,16 @@ def test_the_end_of_run_summary_names_what_the_run_directory_holds(tmp_path):
     text = run.describe_outputs([tmp_path / "metrics.jsonl", None], tmp_path / "tensorboard")
     assert "metrics.jsonl" in text and "1 checkpoint(s), 3 MB" in text and "trainer.keep_last" in text
     assert f".venv/bin/tensorboard --logdir {tmp_path / 'tensorboard'}" in text
+
+
+def test_a_sharded_batchnorm_between_the_pair_is_no_dense_layer_of_the_statistics():
+    # Per-feature (maybe without a weight): only the two Linear layers around it report.
+    block = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8, affine=False), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 6))
+    ctx = bd.init_parallel(tp=1)
+    bd.parallelize(block)
+    assert isinstance(block[1], bd.ShardedBatchNorm1d)
+    stats = DenseLayerStats(block, ctx.tp_group)
+    stats.capture = True
+    block(torch.randn(4, 6)).sum().backward()
+    assert {key.split("/")[1] for key in stats.collect()} == {"0", "3"}

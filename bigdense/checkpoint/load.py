@@ -27,6 +27,7 @@ from .format import (
 from .adapters import resolve_optimizer
 from .optimizer import OptimizerAdapter, check_optimizer_groups
 from .pieces import ModelState, current_context, model_pieces, unwrap
+from ..layers.prune_masks import attach_saved_masks
 from .rng import restore_rng
 from .verify import assign_hashing, node_name, verify_mode
 
@@ -171,6 +172,8 @@ def _plan(path, module, opt: Optional[OptimizerAdapter], ctx, requested: dict, s
         if wanted and not has[what] and strict:
             hint = "pass optimizer=None" if what == "optimizer" else f"pass {what}=None or strict=False"
             raise CheckpointError(f"{ckpt} holds no {what} state (saved with {what}=None); {hint}")
+    # A pruned model's masks are part of its state: the layers that had one get one to load into.
+    attach_saved_masks(module, [k[len("model/"):] for k in manifest["tensors"] if k.startswith("model/")])
     model_state = model_pieces(module, ctx.tp_rank, ctx.tp_size)
     targets, missing, unexpected = _match_model(ckpt, manifest, model_state, strict)
     optim_targets, optim_common = [], None

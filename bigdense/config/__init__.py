@@ -13,12 +13,12 @@ from .keys import check_known_keys, check_override_keys, schema_keys, unknown_ke
 from .registry import register_configs, run_dir_name
 from .schema import (
     DataConfig, EngineConfig, HeadConfig, ModelConfig, OptimConfig, ParallelConfig, PlanConfig, PrecisionConfig,
-    RecomputeConfig, TrainConfig, TrainerConfig,
+    PruneConfig, RecomputeConfig, TrainConfig, TrainerConfig,
 )
 from .validate import validate, validate_plan
 
 __all__ = [
     "ConfigError", "check_known_keys", "check_override_keys", "schema_keys", "unknown_key_error", "register_configs",
     "run_dir_name", "DataConfig", "EngineConfig", "HeadConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
-    "PlanConfig", "PrecisionConfig", "RecomputeConfig", "TrainConfig", "TrainerConfig", "validate", "validate_plan",
+    "PlanConfig", "PrecisionConfig", "PruneConfig", "RecomputeConfig", "TrainConfig", "TrainerConfig", "validate", "validate_plan",
 ]

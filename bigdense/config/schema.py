@@ -146,6 +146,7 @@ class TrainerConfig:
     compile: bool = False  # torch.compile each transformer block
     compile_backend: str = "inductor"  # "inductor", "aot_eager" (no C++ compiler needed) or "eager"
     tensorboard: bool = False  # also write the metrics as TensorBoard event files in <run dir>/tensorboard
+    log_histograms: bool = True  # with tensorboard: also every dense layer's weight and gradient histograms
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None: looked up from the GPU's name
 
 
@@ -160,6 +161,22 @@ class HeadConfig:
 
 
 @dataclass
+class PruneConfig:
+    """Gradual magnitude pruning during training (`bigdense.layers.prune_schedule`, docs/pruning.md);
+    off while ``sparsity`` is 0. Event i = 0 .. steps-1, once start_step + i * every steps are done,
+    prunes to sparsity * (1 - (1 - (i + 1) / steps) ** 3) (cubic). engine=ddp only."""
+
+    sparsity: float = 0.0  # the final fraction of the named layers' weights that is zero; 0: off
+    structure: str = "unstructured"  # "unstructured" (one global threshold) or "n:m" (sparsity must be 1 - n/m)
+    n: int = 2  # n:m: keep n of every m weights along the input dimension
+    m: int = 4
+    layers: Any = None  # fnmatch patterns of module names (e.g. ['blocks.*.mlp']); null: every dense layer but the head
+    start_step: int = 0  # the first event, once this many steps are done
+    every: int = 100  # steps between events
+    steps: int = 1  # events (1: prune once, at start_step)
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
@@ -170,6 +187,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
+    prune: PruneConfig = field(default_factory=PruneConfig)
 
 
 @dataclass

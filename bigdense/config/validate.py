@@ -15,6 +15,7 @@ from ..layers.head.modes import SHARD_MODES
 from ..layers.init import INITIALIZERS
 from ..layers.head.margin import resolve_margin
 from ..layers.mlp import ACTIVATIONS
+from ..layers.prune_schedule import check_prune_schedule
 from ..layers.head.sampling import check_sample_rate
 from ..models import MODELS
 from ..models.hf_dir import HFDirectory
@@ -52,6 +53,7 @@ def validate(cfg, world_size: int, device_type: str) -> ParallelDims:
         check_positive("trainer.peak_tflops", cfg.trainer.peak_tflops)
     check_checkpointing(cfg.trainer)
     _check_init_from(getattr(cfg.trainer, "init_from", None))
+    check_prune_schedule(cfg.prune, cfg.engine.kind)
     dims = ParallelDims.resolve(cfg.parallel.tp, cfg.parallel.dp, world_size)
     if m.name == "hf":
         _validate_hf_model(cfg)

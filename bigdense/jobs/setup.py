@@ -157,23 +157,30 @@ def start_run(cfg, hydra_output_dir: str) -> Run:
     require_writable(run.checkpoint_dir, ctx)  # made by rank 0; a ConfigError on every rank if it cannot be
     if not ctx.is_main:
         quiet_console()
-    adopt_low_rank(cfg)
+    adopt_compressed_structure(cfg)
     return run
 
 
-def adopt_low_rank(cfg) -> None:
+def adopt_compressed_structure(cfg) -> None:
     """A run starting from a compressed checkpoint (``trainer.init_from`` written by ``python -m
-    bigdense.compress``) that names no ``model.low_rank`` takes the checkpoint's: its weights are
-    those low-rank pairs, of ranks chosen from the weights. Set in the run's config before any
-    model is built, so the run's own checkpoints record it too. A ``model.low_rank`` given that
+    bigdense.compress``) takes the structure of its weights where the run names none of its own:
+    ``model.low_rank`` (low-rank pairs, of ranks chosen from the weights) and, when its MLPs were
+    pruned by hidden units (``--structure rows``), ``model.d_hidden``. Set in the run's config
+    before any model is built, so the run's own checkpoints record it too. A value given that
     differs is left as given; loading then names the difference."""
     init_from = cfg.trainer.get("init_from")
-    if not init_from or cfg.model.get("low_rank"):
+    if not init_from:
         return
-    saved = ((read_manifest(resolve_checkpoint(init_from)).get("config") or {}).get("model") or {}).get("low_rank")
-    if saved:
-        cfg.model.low_rank = dict(saved)
-        log.info("model.low_rank from trainer.init_from=%s (written by bigdense.compress): %s", init_from, dict(saved))
+    saved = read_manifest(resolve_checkpoint(init_from)).get("config") or {}
+    model = saved.get("model") or {}
+    if model.get("low_rank") and not cfg.model.get("low_rank"):
+        cfg.model.low_rank = dict(model["low_rank"])
+        log.info("model.low_rank from trainer.init_from=%s (written by bigdense.compress): %s", init_from,
+                 dict(model["low_rank"]))
+    if (saved.get("compressed") or {}).get("rows") and cfg.model.get("d_hidden") is None:
+        cfg.model.d_hidden = int(model["d_hidden"])
+        log.info("model.d_hidden=%d from trainer.init_from=%s (its MLPs pruned by bigdense.compress)",
+                 cfg.model.d_hidden, init_from)
 
 
 def quiet_console() -> None:

@@ -1,6 +1,7 @@
 """The transformer MLP block, tensor-parallel: column-parallel up, activation, row-parallel down."""
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
@@ -30,7 +31,8 @@ class ParallelMLP(TensorParallelModule):
     the column projections are applied here on their parameters (`column_parallel_linear`), so
     forward hooks on ``up``/``gate`` do not fire (hooks on the MLP and on ``down`` do). A projection
     replaced by another module mapping (*, d_model) to this rank's hidden slice -- a `bd.low_rank`
-    pair, which enters the TP region itself with fewer features -- is called as a module.
+    pair, which enters the TP region itself with fewer features, or an int8 or sparse stand-in
+    (`bigdense.layers.inference`) -- is called as a module.
 
     ``sequence_parallel=True``: input and output (*, S_local, d_model), this rank's balanced share
     of the sequence (``forward(x, seq_len=S)`` states S; see `ColumnParallelLinear`). Forward: one
@@ -88,7 +90,9 @@ class ParallelMLP(TensorParallelModule):
 
     def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
         what = "this rank's share of the sequence" if self.sequence_parallel else "replicated on every TP rank"
-        self._check_input(x, self.d_model, f"d_model, {what}", next(self.parameters()))
+        # The first floating-point tensor: int8 or sparse stand-ins for the projections hold buffers only.
+        ref = next(t for t in itertools.chain(self.parameters(), self.buffers()) if t.is_floating_point())
+        self._check_input(x, self.d_model, f"d_model, {what}", ref)
         shares = self._sequence_shares(x, seq_len) if self.sequence_parallel else None
         layers = [self.up] if self.gate is None else [self.up, self.gate]
         plain = [layer for layer in layers if type(layer) is ColumnParallelLinear]

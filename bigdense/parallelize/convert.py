@@ -7,8 +7,11 @@ What is converted automatically (``plan=None``), and why nothing else is:
 
 * ``nn.Linear -> element-wise modules -> nn.Linear`` runs inside an ``nn.Sequential`` (any number
   of activations, ``nn.Dropout``, ``nn.Identity`` between them, or none): column, then row. Between the two the hidden
-  features are sharded, which is exactly what element-wise modules tolerate; a norm or softmax in
-  between would not, so such pairs are left alone.
+  features are sharded, which is exactly what element-wise modules tolerate, and so does a norm of
+  each feature alone: an ``nn.BatchNorm1d``/``nn.SyncBatchNorm`` of those features between them
+  becomes a `ShardedBatchNorm1d` (style ``per_feature``). A norm across the features (LayerNorm,
+  RMSNorm, GroupNorm), a BatchNorm of other features or dims, or a softmax would not: such pairs are
+  left alone (the report says which norm broke them).
 * ``linear1``/``linear2`` of ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer``. Their
   fused inference fast path (``torch._transformer_encoder_layer_fwd``) reads the weights directly,
   so it is switched off for converted layers (and nested-tensor conversion in their encoder).
@@ -43,7 +46,8 @@ from typing import Mapping, Optional
 import torch.nn as nn
 
 from ..layers import (
-    ColumnParallelConv1D, ColumnParallelLinear, RowParallelConv1D, RowParallelLinear, ShardedDropout, tie_weights,
+    ColumnParallelConv1D, ColumnParallelLinear, RowParallelConv1D, RowParallelLinear, ShardedBatchNorm1d,
+    ShardedDropout, tie_weights,
 )
 from ..layers.base import named_shard_specs
 from ..layers.conv1d import is_conv1d
@@ -51,9 +55,9 @@ from ..parallel import comm
 from ..parallel.context import resolve_tp_group
 from ..parallel.sharding import shard_range
 from .hf import layer_pattern, unaligned_experts_to_eager
-from .inplace import shard_in_place
+from .inplace import ShardedInPlace, shard_in_place
 from .plans import ELEMENTWISE, TRANSFORMER_LAYERS, Conversion, Entry, PlanValue, plan_conversion
-from .styles import Column, Row
+from .styles import Column, PerFeature, Row
 
 logger = logging.getLogger("bigdense.parallelize")
 
@@ -218,7 +222,10 @@ def _conv1d_options(style) -> dict:
 
 
 def _report(model: nn.Module, conversion: Conversion) -> ConversionReport:
-    dense = {layer_pattern(name): why for name, why in conversion.dense.items()}
+    dense: dict[str, str] = {}
+    for name, why in conversion.dense.items():  # layers collapse into one pattern: keep each distinct reason
+        pattern, before = layer_pattern(name), dense.get(layer_pattern(name))
+        dense[pattern] = why if before is None else before if why in before else f"{before}; {why}"
     report = ConversionReport(conversion.source, {n: e.style.describe() for n, e in conversion.entries.items()},
                               dense, list(conversion.unmatched), notes=list(conversion.notes))
     specs, seen, total, split = named_shard_specs(model), set(), 0, 0
@@ -257,8 +264,14 @@ def _adapt_containers(model: nn.Module) -> None:
                     column = child
                 elif column is not None and type(child) is nn.Dropout:
                     setattr(module, child_name, _sharded_dropout(child, column))
-                elif not isinstance(child, ELEMENTWISE):
+                elif not (isinstance(child, ELEMENTWISE) or _per_feature(child)):
                     column = None
+
+
+def _per_feature(module: nn.Module) -> bool:
+    """A converted module acting on each feature alone: the features after it are still sharded."""
+    return isinstance(module, ShardedBatchNorm1d) or (isinstance(module, ShardedInPlace)
+                                                       and isinstance(module.bd_style, PerFeature))
 
 
 def _sharded_dropout(dropout: nn.Dropout, column: ColumnParallelLinear) -> ShardedDropout:

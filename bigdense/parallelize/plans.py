@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..layers.base import TensorParallelModule
 from ..layers.conv1d import is_conv1d
+from ..layers.feature_norm import NORMS, per_feature_refusal
 from .hf import (
     HF_STYLES, apply_fixes, dropout_notes, hf_tp_plan, is_hf_model, layer_pattern, no_plan_error, translate_hf_plan,
     undividable_heads,
@@ -86,20 +87,7 @@ def auto_plan(model: nn.Module) -> tuple[dict[str, tuple], dict[str, str]]:
                 plan[prefix + "linear1"] = ("column", {})
                 plan[prefix + "linear2"] = ("row", {})
         elif isinstance(module, nn.Sequential):
-            children = list(module.named_children())
-            i = 0
-            while i < len(children):
-                first = children[i][1]
-                j = i + 1
-                while j < len(children) and isinstance(children[j][1], ELEMENTWISE):
-                    j += 1
-                if (type(first) is nn.Linear and j < len(children) and type(children[j][1]) is nn.Linear
-                        and children[j][1].in_features == first.out_features):
-                    plan[prefix + children[i][0]] = ("column", {})
-                    plan[prefix + children[j][0]] = ("row", {})
-                    i = j + 1
-                else:
-                    i += 1
+            _sequential_pairs(list(module.named_children()), prefix, plan, skipped)
         elif type(module) is nn.Embedding:
             if module.max_norm is not None or module.sparse or module.scale_grad_by_freq:
                 skipped[name] = "nn.Embedding with max_norm/sparse/scale_grad_by_freq"
@@ -109,9 +97,38 @@ def auto_plan(model: nn.Module) -> tuple[dict[str, tuple], dict[str, str]]:
                 plan[name] = ("vocab", {})
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and name not in plan:
-            skipped[name] = ("nn.MultiheadAttention projection, applied by F.multi_head_attention_forward"
-                             if _is_attention_projection(model, name) else "no column->row partner")
+            skipped.setdefault(name, "nn.MultiheadAttention projection, applied by F.multi_head_attention_forward"
+                               if _is_attention_projection(model, name) else "no column->row partner")
     return plan, skipped
+
+
+def _sequential_pairs(children: list[tuple[str, nn.Module]], prefix: str, plan: dict, skipped: dict) -> None:
+    """The column -> row pairs among an ``nn.Sequential``'s children into ``plan``: an ``nn.Linear``,
+    element-wise modules and norms of each feature alone (`per_feature_refusal`: those become
+    ``per_feature``), an ``nn.Linear`` taking its outputs. A pair that a norm across the features (or
+    a BatchNorm of other features) would break is recorded in ``skipped``, with why."""
+    i = 0
+    while i < len(children):
+        name, first = children[i]
+        j = i + 1
+        while j < len(children) and isinstance(children[j][1], ELEMENTWISE + NORMS):
+            j += 1
+        partner = children[j] if j < len(children) else None
+        if (type(first) is not nn.Linear or partner is None or type(partner[1]) is not nn.Linear
+                or partner[1].in_features != first.out_features):
+            i += 1
+            continue
+        norms = [(n, m) for n, m in children[i + 1:j] if isinstance(m, NORMS)]
+        blocked = [(n, why) for n, m in norms if (why := per_feature_refusal(m, first.out_features)) is not None]
+        if blocked:
+            skipped[prefix + name] = (f"its column -> row pair with {prefix + partner[0]} is broken by "
+                                      f"{prefix + blocked[0][0]}: {blocked[0][1]}")
+            i += 1
+            continue
+        plan[prefix + name] = ("column", {})
+        plan.update({prefix + n: ("per_feature", {}) for n, _ in norms})
+        plan[prefix + partner[0]] = ("row", {})
+        i = j + 1
 
 
 def _normalise(value: PlanValue, pattern: str) -> tuple[str, dict]:

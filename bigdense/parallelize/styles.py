@@ -37,6 +37,10 @@ The styles, by bigdense name (Hugging Face's names are in `bigdense.parallelize.
 ``local``          nothing: the module's parameters are split by their own entries
 ``replicate``      nothing: the module stays whole on every rank
 ``head``           an ``nn.Linear`` becomes a `ParallelClassifierHead` (its shard of the logits)
+``per_feature``    a per-feature module on a column layer's shard of the features (between it
+                   and a row layer): its 1-D parameters split with the features, nothing crosses
+                   the group; an ``nn.BatchNorm1d``/``nn.SyncBatchNorm`` becomes a
+                   `ShardedBatchNorm1d` (running statistics split too; ``sync_dp``)
 =================  ===========================================================================
 """
 from __future__ import annotations
@@ -47,7 +51,10 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from ..layers import ColumnParallelLinear, ParallelClassifierHead, RowParallelLinear, VocabParallelEmbedding
+from ..layers import (
+    ColumnParallelLinear, ParallelClassifierHead, RowParallelLinear, ShardedBatchNorm1d, VocabParallelEmbedding,
+)
+from ..layers.feature_norm import NORMS, PER_FEATURE_NORMS, per_feature_refusal
 from ..parallel.partial_grads import with_partial_grad
 from ..parallel.regions import (
     copy_to_tp, gather_from_tp, gather_sequence_shares, reduce_from_tp, scatter_to_sequence, scatter_to_tp,
@@ -387,18 +394,59 @@ class Head(Style):
         return ParallelClassifierHead.from_dense(module, tp_group=tp_group, **dict(self.layer_options))
 
 
+@dataclass(frozen=True)
+class PerFeature(Style):
+    """A module acting on each feature alone (a BatchNorm1d, a per-feature scale and shift), on the
+    shard of the features a column layer hands on: its parameters split with those features, so
+    nothing crosses the group. An ``nn.BatchNorm1d``/``nn.SyncBatchNorm`` is replaced by a
+    `ShardedBatchNorm1d` (options: ``sync_dp``, ``dp_group``); any other module is converted in
+    place, its own 1-D parameters (of one length: its features) split."""
+
+    name = "per_feature"
+
+    def split(self, module, name, param, *, whole_module):
+        return 0, 1
+
+    def check(self, module, where):
+        if isinstance(module, NORMS):
+            why = per_feature_refusal(module, getattr(module, "num_features", -1))
+            if why is not None:
+                raise StyleError(f"{where}: style 'per_feature' cannot split it: {why}")
+            return
+        shapes = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
+        if not shapes or len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 1:
+            raise StyleError(f"{where} is a {type(module).__name__}; style 'per_feature' splits a module's own 1-D "
+                             f"parameters, all of one length (its features), got {shapes or 'none'}")
+        whole = [f"buffer {n}" for n, b in module.named_buffers(recurse=False) if b is not None]
+        whole += [f"child {n}" for n, c in module.named_children() if any(True for _ in c.parameters())]
+        if whole:
+            raise StyleError(f"{where}: style 'per_feature' splits only its own parameters; {whole} would stay whole")
+
+    def check_in_place(self, module, where):
+        super().check_in_place(module, where)
+        if isinstance(module, NORMS):  # only when it shares a parameter with another module
+            raise StyleError(f"{where} is a {type(module).__name__} sharing a parameter with another module: converted "
+                             f"in place, its running statistics would stay whole")
+
+    def replaces(self, module):
+        return type(module) in PER_FEATURE_NORMS
+
+    def layer(self, module, tp_group):
+        return ShardedBatchNorm1d.from_dense(module, tp_group=tp_group, **dict(self.layer_options))
+
+
 STYLES: dict[str, type[Style]] = {cls.name: cls for cls in (
     Column, Row, Vocab, EmbeddingDim, PartialGrad, SequenceShare, PartialOutput, DivideInput, MlaKvA, Local, Style,
-    Head)}
+    Head, PerFeature)}
 
 
-_REPLACING = (Column, Row, Vocab, Head)  # styles whose bigdense layer takes further constructor options
+_REPLACING = (Column, Row, Vocab, Head, PerFeature)  # styles whose bigdense layer takes further constructor options
 
 
 def make_style(name: str, options: Optional[dict] = None, where: str = "plan") -> Style:
-    """The style ``name`` with ``options``: its own fields, and for ``column``, ``row``, ``vocab`` and
-    ``head`` any other option of the bigdense layer that replaces a plain module (checked when
-    that layer is built). Unknown names and options are refused."""
+    """The style ``name`` with ``options``: its own fields, and for ``column``, ``row``, ``vocab``,
+    ``head`` and ``per_feature`` any other option of the bigdense layer that replaces a plain module
+    (checked when that layer is built). Unknown names and options are refused."""
     if name not in STYLES:
         raise StyleError(f"{where}: style {name!r} is not one of {sorted(STYLES)}")
     cls, options = STYLES[name], dict(options or {})

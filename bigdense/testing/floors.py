@@ -33,7 +33,7 @@ FLOORS = (
     (7, "bigdense.plan.__main__", "the planner's command line (python -m bigdense.plan)"),
     (7, "bigdense.plan.config", "the planner's reading of a job's config"),
     (7, "bigdense.plan.measure", "the planner's measurement of a real step"),
-    (7, "bigdense.compress", "low-rank compression of a checkpoint"),
+    (7, "bigdense.compress", "compression of a checkpoint: low rank, pruning, int8 weights"),
     (7, "bigdense.export_hf", "a checkpoint back to a Hugging Face directory"),
     (7, "bigdense.bench", "benchmarks"),
     (7, "bigdense.testing", "the CPU cluster harness, counters, this check"),

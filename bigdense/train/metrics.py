@@ -1,6 +1,7 @@
 """What a training run records: JSONL metrics (and the same scalars as TensorBoard event files),
 peak memory, the RMS of every dense layer (weights, activations, gradients), and the loss curve as
-a PNG. (The console line and the progress bar are `launch/train.py`'s.)
+a PNG. (The console line and the progress bar are `launch/train.py`'s; the dense layers' histograms
+are `bigdense.train.histograms`', written here.)
 
 Only the main rank writes; every rank takes part in the collectives of `DenseLayerStats`.
 """
@@ -34,7 +35,8 @@ def peak_memory_gb(device: torch.device) -> float:
 class MetricsLog:
     """Appends one JSON object per line to ``metrics.jsonl`` (main rank only); with
     ``tensorboard=True`` also writes every numeric field as a TensorBoard scalar, tagged
-    ``<kind>/<field>`` at the record's ``step``, to event files in ``<run_dir>/tensorboard``."""
+    ``<kind>/<field>`` at the record's ``step``, to event files in ``<run_dir>/tensorboard``
+    (and `write_histograms` the dense layers' histograms there)."""
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = False):
         self.enabled = enabled
@@ -58,6 +60,17 @@ class MetricsLog:
                     self._tb.add_scalar(f"{kind}/{key}", value, record["step"])
             self._tb.flush()
 
+    def write_histograms(self, histograms: dict, step: int) -> None:
+        """Each `bigdense.train.histograms.Histogram` as a TensorBoard histogram tagged by its key, at
+        ``step``; nothing without TensorBoard (histograms have no JSONL form)."""
+        if self._tb is None:
+            return
+        for tag, h in histograms.items():
+            self._tb.add_histogram_raw(tag, min=h.min, max=h.max, num=h.num, sum=h.sum, sum_squares=h.sum_squares,
+                                       bucket_limits=h.bucket_limits, bucket_counts=h.bucket_counts,
+                                       global_step=step)
+        self._tb.flush()
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -66,7 +79,14 @@ class MetricsLog:
 
 
 def _is_dense(module: nn.Module) -> bool:
-    return isinstance(module, (TensorParallelModule, nn.Linear, nn.Embedding))
+    # A sharded BatchNorm is a TensorParallelModule but no dense layer: per-feature, maybe without a weight.
+    return (isinstance(module, (TensorParallelModule, nn.Linear, nn.Embedding))
+            and not isinstance(module, nn.modules.batchnorm._NormBase))
+
+
+def weighted_dense_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """``{name: module}`` of the dense layers with a ``weight`` (whose weight and gradient are reported)."""
+    return {name: m for name, m in model.named_modules() if _is_dense(m) and hasattr(m, "weight")}
 
 
 class DenseLayerStats:
@@ -74,7 +94,7 @@ class DenseLayerStats:
     output (``act``) activations, each over the whole (unsharded) tensor: sharded pieces
     contribute their sums of squares, summed over TP.
 
-    Dense layers are bigdense's layers, ``nn.Linear`` and ``nn.Embedding``. ``ParallelMLP`` has no
+    Dense layers are bigdense's layers (but its sharded BatchNorm), ``nn.Linear`` and ``nn.Embedding``. ``ParallelMLP`` has no
     weight of its own but its input is what its ``up``/``gate`` projections see (they run inside
     it, not as modules), so it reports activations. The head reports its input only: its output is
     the loss; its logits are never materialised. Hooks record while ``capture`` is on (the loop
@@ -85,7 +105,7 @@ class DenseLayerStats:
         self.tp_group = tp_group
         self.capture = False
         self._acts: dict[str, tuple[torch.Tensor, int, bool]] = {}
-        self._weighted = {name: m for name, m in model.named_modules() if _is_dense(m) and hasattr(m, "weight")}
+        self._weighted = weighted_dense_layers(model)
         for name, module in model.named_modules():
             if _is_dense(module):
                 module.register_forward_hook(self._hook(name))

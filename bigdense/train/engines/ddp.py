@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ...layers.base import named_shard_specs
+from ...layers.prune_masks import MaskKeeper
 from ...parallel import comm
 from ...parallel.partial_grads import deferred_partial_grad_sums, partial_grad_params, sum_partial_grads_
 from ...errors import check_positive
@@ -39,8 +40,9 @@ class DDPEngine(Engine):
     Then, in order: fp16 unscale (foreach, a local
     found-inf flag), `clip_grad_norm_` with ``optim.grad_clip`` (foreach, one TP all-reduce), one
     world all-reduce agreeing on skipping, the fused AdamW step and the LR schedule (both held on
-    the device when skipped), the loss-scale update, and one DP all-reduce of the loss for
-    reporting. Parameters stay fp32 and the forward runs under autocast.
+    the device when skipped), the pruned weights of masked layers re-zeroed (`bd.apply_masks`),
+    the loss-scale update, and one DP all-reduce of the loss for reporting. Parameters stay fp32
+    and the forward runs under autocast.
 
     Nothing in ``train_step`` reads the device on the host: the skip decision reaches the optimizer
     as a tensor (fused AdamW's ``found_inf``), the number of applied steps (the LR schedule's
@@ -69,6 +71,7 @@ class DDPEngine(Engine):
         self._params = [p for opt in self._optimizers() for group in opt.param_groups for p in group["params"]]
         self._partial = partial_grad_params(model)
         self._applied = torch.zeros((), dtype=torch.int64, device=ctx.device)  # applied optimizer steps
+        self._keep_masks = MaskKeeper(model)  # pruned weights back to zero after each step (a no-op without masks)
         self._host_epoch = self.scheduler.last_epoch  # the scheduler's value when it last matched
 
     def _data_parallel(self, model):
@@ -142,6 +145,7 @@ class DDPEngine(Engine):
         for opt in self._optimizers():
             opt.found_inf, opt.grad_scale = skip, None  # fused AdamW: no update if 1
             opt.step()
+        self._keep_masks()
         self._applied += (skip == 0).long()
         if self.scaler is not None:
             self.scaler.update(skip)

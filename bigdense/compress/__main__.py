@@ -1,0 +1,6 @@
+"""``python -m bigdense.compress``: see the package docstring."""
+import sys
+
+from .cli import main
+
+sys.exit(main())
