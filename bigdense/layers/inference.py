@@ -32,6 +32,7 @@ from .base import TensorParallelModule
 from .conv1d import ColumnParallelConv1D, RowParallelConv1D
 from .head import ParallelClassifierHead
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .prune_masks import mask_of
 
 KINDS = ("linear", "column", "row")
 
@@ -62,7 +63,7 @@ def masked_weight(layer: nn.Module) -> torch.Tensor:
     """This rank's weight ``(out_local, in_local)`` as the layer computes with it: times its pruning
     mask (``weight_mask``, `bd.prune`'s buffer) when it has one, detached."""
     weight = layer.weight.detach()
-    mask = getattr(layer, "weight_mask", None)
+    mask = mask_of(layer)
     return weight if mask is None else weight * mask.to(weight.dtype)
 
 

@@ -42,6 +42,7 @@ from ..errors import check_choice
 from ..parallel import comm
 from ..parallel.context import resolve_tp_group
 from .inference import InferenceLinear, dense_kind, is_dense, masked_weight, matching_layers, replace_module
+from .prune_masks import mask_of
 
 FORMATS = ("csr", "semi_structured")
 SEMI_STRUCTURED_DTYPES = (torch.float16, torch.bfloat16)
@@ -129,7 +130,7 @@ def _candidates(device: torch.device) -> tuple[str, ...]:
 
 
 def _is_pruned(layer: nn.Module) -> bool:
-    return is_dense(layer) and getattr(layer, "weight_mask", None) is not None
+    return is_dense(layer) and mask_of(layer) is not None
 
 
 def _local_times(layer: nn.Module, weight: torch.Tensor, formats, x: torch.Tensor, repeats: int):

@@ -231,14 +231,14 @@ class GPT(nn.Module):
             self._make_low_rank(path, int(rank))
 
     def _make_low_rank(self, path: str, rank: int) -> None:
+        from ..layers.inference import replace_module
         from ..layers.lowrank import low_rank_like
 
         try:
             layer = self.get_submodule(path)
         except AttributeError:
             raise ValueError(f"GPT: model.low_rank names {path!r}, which is not a module of this model") from None
-        parent, _, child = path.rpartition(".")
-        setattr(self.get_submodule(parent), child, low_rank_like(layer, rank))
+        replace_module(self, path, low_rank_like(layer, rank))
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """The final normalised hidden states, (B, S, d_model), replicated over TP; under sequence

@@ -51,6 +51,7 @@ from ..layers import (
 )
 from ..layers.base import named_shard_specs
 from ..layers.conv1d import is_conv1d
+from ..layers.inference import replace_module
 from ..parallel import comm
 from ..parallel.context import resolve_tp_group
 from ..parallel.sharding import shard_range
@@ -205,10 +206,7 @@ def _replace(model: nn.Module, name: str, entry: Entry, module: nn.Module, tp_gr
         new = CONV1D_LAYERS[entry.style.name].from_dense(module, tp_group=tp_group, **_conv1d_options(entry.style))
     else:
         new = entry.style.layer(module, tp_group)
-    if name == "":
-        return new
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, new)
+    replace_module(model, name, new)
     return new
 
 
