@@ -73,3 +73,15 @@ def test_head_floor_bench_measures_every_mode_and_counts_no_host_sync(tmp_path, 
     assert all(0 < n < 1501 for n in rows["floor-sampled"]["floor_rows"])
     assert all(math.isfinite(rows[m]["loss"]) for m in ("tp", "world", "sampled", "partial-fc"))
     assert "world / tp" in capsys.readouterr().out
+
+
+def test_head_floor_bench_measures_a_chunks_gemms_by_token_count(tmp_path):
+    from bigdense.bench import head_floor
+
+    path = tmp_path / "gemms.jsonl"
+    head_floor.main(["--classes", "2000", "--features", "16", "--chunk-gemms", "8", "64", "--json", str(path)])
+    rows = [json.loads(line) for line in open(path)]
+    assert [r["tokens"] for r in rows] == [8, 64]
+    for r in rows:
+        assert set(r["gflops"]) == {"logits W h^T", "grad h z^T W", "grad W += z h"}
+        assert all(v > 0 for v in r["gflops"].values())

@@ -354,14 +354,21 @@ def test_fused_loss_allocates_nothing_per_chunk(dtype):
 def test_chunk_sizes_per_device():
     from bigdense.layers.head.ce_chunks import auto_chunk_size
 
-    assert auto_chunk_size(125_000, "cpu") == 64 * 2**20 // (4 * 125_000)  # 134: cache-sized on CPU
+    # CPU: one 128 MiB slot, a multiple of 16 tokens, at least 64 (thinner chunks slow the GEMMs down).
+    assert auto_chunk_size(125_000, "cpu") == 256  # 268 tokens fit, rounded down to a multiple of 16
+    assert auto_chunk_size(500_000, "cpu") == 64  # 67 fit
+    assert auto_chunk_size(2_000_000, "cpu") == 64  # 16 fit: 512 MiB rather than thin GEMMs
     for classes in (1000, 125_000, 10_000_000):
         tokens = auto_chunk_size(classes, "cuda")
         assert tokens % 128 == 0 and tokens >= 128 and (tokens == 128 or tokens * classes * 4 <= 512 * 2**20)
 
 
-def _overlap_order():
+def _overlap_order(slots):
+    import bigdense.layers.head.fused_ce as fused_ce
+
     bd.init_parallel(tp=2)
+    if slots == 2:  # as on GPUs (the rank process ends after)
+        fused_ce.logits_slots = lambda group_size, device_type: 2
     classes, width, chunk, chunks = 64, 16, 4, 3
     torch.manual_seed(0)
     head = bd.ParallelClassifierHead(width, classes, chunk_size=chunk)
@@ -373,9 +380,12 @@ def _overlap_order():
     combined = [i for i, (op, _) in enumerate(seen.ops) if op == "aten.logsumexp"]
     assert len(logits) == len(gathers) == len(combined) == chunks, (logits, gathers, combined)
     for k in range(chunks - 1):
-        # chunk k's statistics are gathered before chunk k+1's matmul and used only after it
-        assert gathers[k] < logits[k + 1] < combined[k]
+        if slots == 2:  # chunk k's statistics are gathered before chunk k+1's matmul and used only after it
+            assert gathers[k] < logits[k + 1] < combined[k]
+        else:  # one slot: chunk k is finished before chunk k+1's logits overwrite it
+            assert gathers[k] < combined[k] < logits[k + 1]
 
 
-def test_statistics_all_gather_overlaps_the_next_chunks_matmul():
-    run_ranks(_overlap_order, 2)
+@pytest.mark.parametrize("slots", [1, 2], ids=["cpu-one-slot", "gpu-two-slots"])
+def test_statistics_all_gather_overlaps_the_next_chunks_matmul_with_two_slots(slots):
+    run_ranks(_overlap_order, 2, slots)

@@ -2,6 +2,7 @@
 
     python -m bigdense.bench.head_floor                          # 131,072 / 1,000,000 / 4,000,000 classes
     python -m bigdense.bench.head_floor --classes 131072 --iters 2 --warmup 1   # one size, quicker
+    python -m bigdense.bench.head_floor --classes 1000000 --chunk-gemms 8 16 32 64 128 256   # GEMMs by chunk
 
 Per class count, on 2 gloo CPU ranks with 1 thread each, fp32, ``--tokens`` tokens in all (4,096), d=128,
 forward + backward with the input requiring grad, the same weights and inputs everywhere:
@@ -25,8 +26,9 @@ forward + backward with the input requiring grad, the same weights and inputs ev
 
 Each mode runs in its own pair of spawned processes (``--start-method fork`` starts them faster for
 tests, their RSS then including this process's pages). Printed per mode: the median time (each
-iteration's slowest rank), its ratio to its floor, peak RSS per rank (VmHWM) and host synchronisations per call with `bd.set_checks(False)` (counted by
-`bigdense.testing.OpCounter` on one extra call, after a first call that may set up capacities);
+iteration's slowest rank), its ratio to its floor, peak RSS per rank (VmHWM) and host synchronisations
+per call with `bd.set_checks(False)` (counted by `bigdense.testing.OpCounter` on one extra call of
+``--sync-tokens`` tokens, after a first call that may set up capacities);
 then the issue's ratios: world / tp, sampled / Partial FC time and memory. ``--json PATH`` appends
 one object per row. For reading, never for asserting.
 """
@@ -174,9 +176,9 @@ def _head_rank(args, classes, mode):
     torch.manual_seed(SEED)
     losses = []
 
-    def step():
-        x = h.clone().requires_grad_()
-        loss = head.loss(x, target)
+    def step(tokens=None):
+        x = h[:tokens].clone().requires_grad_()
+        loss = head.loss(x, target[:tokens])
         loss.backward()
         if opt is not None:
             opt.step()
@@ -184,10 +186,14 @@ def _head_rank(args, classes, mode):
         head.zero_grad(set_to_none=True)
 
     times = _timed(step, args)
+    # Counted on the first --sync-tokens tokens: the same code path as a whole batch, in a fraction
+    # of its time. A world head would pad them to the token capacity its checked calls fixed; it
+    # forgets it, so its first unchecked call below fixes one of --sync-tokens rows instead.
+    head._dp_blocks.capacity = None
     with bd.set_checks(False):
-        step()  # a first call with checks off may fix what later calls reuse
+        step(args.sync_tokens)  # a first call with checks off may fix what later calls reuse
         with OpCounter() as counted:
-            step()
+            step(args.sync_tokens)
     return dict(times=times, rss=peak_rss_bytes(), rows=None, tiles=None, syncs=counted.syncs,
                 sync_ops=dict(counted.sync_ops), loss=float(losses[0]), dp=ctx.dp_size)
 
@@ -292,6 +298,33 @@ def _partial_fc_rank(args, classes):
     return dict(times=times, rss=peak_rss_bytes(), rows=None, tiles=None, syncs=None, loss=float(losses[0]))
 
 
+# ---- why chunks are thick: the GEMMs of one chunk by its token count ------------------------------
+def chunk_gemm_rates(args, classes: int) -> None:
+    """GFLOP/s of one chunk's three matmuls (classes-major logits, input gradient, weight gradient,
+    as the fused loss runs them) against one rank's shard of ``classes``, for each ``--chunk-gemms``
+    token count, in this process on one thread: the measurement behind the CPU's smallest chunk."""
+    torch.set_num_threads(1)
+    rows = classes // 2
+    g = torch.Generator().manual_seed(SEED)
+    w = torch.randn(rows, args.features, generator=g)
+    grad_w = torch.zeros_like(w)
+    print(f"one chunk's GEMMs against {rows:,} classes x d={args.features}, 1 thread (GFLOP/s)", flush=True)
+    for n in args.chunk_gemms:
+        h = torch.randn(n, args.features, generator=g)
+        z, grad_h = torch.empty(rows, n), torch.empty(n, args.features)
+        gemms = {"logits W h^T": lambda: torch.mm(w, h.t(), out=z), "grad h z^T W": lambda: torch.mm(z.t(), w, out=grad_h),
+                 "grad W += z h": lambda: grad_w.addmm_(z, h)}
+        rates = {}
+        for name, gemm in gemms.items():
+            gemm()
+            start = time.perf_counter()
+            gemm()
+            rates[name] = 2 * rows * n * args.features / (time.perf_counter() - start) / 1e9
+        print(f"  {n:>5} tokens  " + "  ".join(f"{k} {v:5.1f}" for k, v in rates.items()), flush=True)
+        if args.json:
+            append_json_lines(args.json, [dict(suite="head_floor_chunk_gemms", classes=classes, tokens=n, gflops=rates)])
+
+
 # ---- the run ---------------------------------------------------------------------------------------
 def _available_bytes() -> int:
     with open("/proc/meminfo") as f:
@@ -353,6 +386,11 @@ def main(argv=None) -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--sync-tokens", type=int, default=256,
+                        help="tokens per rank of the two extra calls that count host syncs with checks off")
+    parser.add_argument("--chunk-gemms", type=int, nargs="+", metavar="TOKENS",
+                        help="instead of the modes: the GFLOP/s of one chunk's three GEMMs at these token counts "
+                             "(one thread, the first --classes split over two ranks)")
     parser.add_argument("--json", help="append one JSON object per row to this file")
     parser.add_argument("--start-method", default="spawn", choices=("spawn", "fork"),
                         help="how each mode's ranks start: spawn (default) gives each its own peak RSS; fork starts "
@@ -360,6 +398,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.tokens % 2:
         parser.error(f"--tokens must be even (two ranks), got {args.tokens}")
+    if args.chunk_gemms:
+        chunk_gemm_rates(args, args.classes[0])
+        return
 
     from bigdense.testing import run_ranks
 

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ..layers.head.ce_chunks import WEIGHT_GRAD_BLOCK_BYTES, auto_chunk_size
+from ..layers.head.ce_chunks import WEIGHT_GRAD_BLOCK_BYTES, auto_chunk_size, logits_slots
 
 from .layout import Layout
 
@@ -176,8 +176,7 @@ class GPTMemory:
         chunk = min(sh.head_chunk_size or auto_chunk_size(classes, self.layout.device_type), self.tokens)
         d = sh.d_model
         grads = self.tokens * d * 4 + classes * d * 4  # grad_h, grad_W (fp32)
-        slots = 2 if tp > 1 else 1  # a second fp32 logits slot lets a chunk's collective overlap the next matmul
-        work = slots * classes * chunk * 4
+        work = logits_slots(tp, self.layout.device_type) * classes * chunk * 4
         if c != 4:
             # Operands cast once per call (the hidden states unless the final norm returned the compute
             # dtype, the weight unless it is in it: fp32 parameters); the low-precision logits buffer;

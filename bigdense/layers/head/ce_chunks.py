@@ -1,14 +1,19 @@
 """The per-chunk work of the fused vocab-parallel cross-entropy, and the buffers it reuses.
 
 `ChunkBuffers` holds everything of chunk size or larger that the loss needs, allocated once per
-call and reused by every chunk: the fp32 logits (two slots when a collective can overlap the next
-chunk's matmul), the low-precision matmul output of an autocast (bf16/fp16) run, and a block of
-weight-gradient rows. So a bf16 call allocates nothing per chunk, and the fp32 weight gradient is
-accumulated block by block, never through a temporary of the weight's size.
+call and reused by every chunk: the fp32 logits (two slots on GPUs, where one chunk's collective
+overlaps the next chunk's matmul: `logits_slots`), the low-precision matmul output of an autocast
+(bf16/fp16) run, and a block of weight-gradient rows. So a bf16 call allocates nothing per chunk,
+and the fp32 weight gradient is accumulated block by block, never through a temporary of the
+weight's size.
 
-Chunk sizes are per device: the largest number of tokens whose fp32 logits fit in
-`AUTO_CHUNK_BYTES` (64 MiB on CPU, sized for its caches; 512 MiB elsewhere), on GPUs rounded down
-to a multiple of 128 tokens (the tile of tensor-core GEMMs).
+Chunk sizes are per device (`auto_chunk_size`): the largest number of tokens whose fp32 logits fit
+in one slot of `AUTO_CHUNK_BYTES`. On CPU a multiple of 16 and never fewer than `CPU_MIN_TOKENS`: a
+chunk's three matmuls are (classes x d) by (d x tokens) products, which MKL runs about 10% slower at
+64 tokens than at a few hundred and about 2x slower at 8 (``python -m bigdense.bench.head_floor
+--chunk-gemms 8 64 256``). Cutting the classes into cache-sized tiles as well was measured and does
+not win that back: the cost is the GEMMs' thin token dimension, not where the logits sit. On GPUs
+a multiple of 128 tokens (the tile of tensor-core GEMMs).
 """
 from __future__ import annotations
 
@@ -18,9 +23,25 @@ import torch
 
 from ...parallel import comm
 
-AUTO_CHUNK_BYTES = {"cpu": 64 * 2**20, "default": 512 * 2**20}
+AUTO_CHUNK_BYTES = {"cpu": 128 * 2**20, "default": 512 * 2**20}  # fp32 logits of one chunk (one slot)
+CPU_MIN_TOKENS = 64
 GPU_TOKEN_MULTIPLE = 128
 WEIGHT_GRAD_BLOCK_BYTES = 16 * 2**20  # rows of the weight gradient formed at once in low precision
+# The lowest shifted logit the softmax exponentiates. Below it exp(x) leaves fp32's normal range
+# (2**-126 is exp(-87.3)), and this CPU's exp takes a slow path: 55 ns per element for -100 and 6 ns
+# for -inf (a sample's padding), against 1.5 ns. Raising such terms to exp(-87) = 1.6e-38 changes no
+# sum that holds the maximum's exp(0) = 1, and a gradient entry by less than 1.6e-38 (padding rows'
+# gradients are masked out where the sample's rows are gathered).
+EXP_FLOOR = -87.0
+CPU_TOKEN_MULTIPLE = 16  # chunks of a multiple of the vector width: a column reduction over 1,342
+# tokens ran at 2.7 ns per element, over 1,344 at 0.85
+
+
+def logits_slots(group_size: int, device_type: str) -> int:
+    """fp32 logits slots of one call: 2 on GPUs with more than one rank (a chunk's all-gather of
+    statistics runs under the next chunk's matmul); 1 on CPU, where that collective takes
+    microseconds next to the chunk's seconds of matmul, and the memory buys a chunk twice as thick."""
+    return 2 if group_size > 1 and device_type != "cpu" else 1
 
 
 def auto_chunk_size(max_local_classes: int, device_type: str = "cpu") -> int:
@@ -29,8 +50,16 @@ def auto_chunk_size(max_local_classes: int, device_type: str = "cpu") -> int:
     budget = AUTO_CHUNK_BYTES.get(device_type, AUTO_CHUNK_BYTES["default"])
     tokens = max(1, budget // (4 * max(1, max_local_classes)))
     if device_type == "cpu":
-        return tokens
+        return max(CPU_MIN_TOKENS, tokens // CPU_TOKEN_MULTIPLE * CPU_TOKEN_MULTIPLE)
     return max(GPU_TOKEN_MULTIPLE, tokens // GPU_TOKEN_MULTIPLE * GPU_TOKEN_MULTIPLE)
+
+
+def exp_shifted_(z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``z := exp(max(z - shift, EXP_FLOOR))`` per token (``z`` classes-major). A ``shift`` of -inf (a
+    token whose classes here are all padding) is replaced by the lowest float; the caller gives such
+    a token a softmax scale of 0."""
+    z.sub_(shift.clamp(min=torch.finfo(z.dtype).min))
+    return z.clamp_(min=EXP_FLOOR).exp_()
 
 
 class ChunkBuffers:
@@ -85,15 +114,13 @@ def chunk_stats(zt: torch.Tensor, t_local: torch.Tensor, in_shard: torch.Tensor,
     stats[2] = torch.where(in_shard, zt.gather(0, t_local.unsqueeze(0)).squeeze(0), 0.0)
     if smoothing:
         stats[3] = (zt if real is None else torch.where(real.unsqueeze(1), zt, 0.0)).sum(dim=0)
-    # (A sample with no class here has a max of -inf: shifted by the lowest float instead, exp gives 0.)
-    zt.sub_(stats[0].clamp(min=torch.finfo(zt.dtype).min)).exp_()
-    stats[1] = zt.sum(dim=0)
+    stats[1] = exp_shifted_(zt, stats[0]).sum(dim=0)
     return stats
 
 
 def start_combine(local: torch.Tensor, group) -> comm.Pending:
     """Start gathering every rank's (4, n) statistics; `finish_combine` waits for them. In between,
-    the caller computes the next chunk's logits, so the collective overlaps that matmul."""
+    the caller may compute the next chunk's logits, so the collective overlaps that matmul."""
     return comm.all_gather_dim_start(local, 0, group, [4] * comm.group_size(group))
 
 

@@ -44,8 +44,9 @@ class ParallelClassifierHead(ColumnParallelLinear):
     TP rank.
 
     ``chunk_size``: tokens per chunk in ``loss`` and ``predict``. ``None`` picks the largest chunk
-    whose fp32 logits on the rank with the most classes (scored classes, when sampling) fit in
-    64 MiB (``fused_ce.AUTO_CHUNK_BYTES``).
+    whose fp32 logits on the rank with the most classes (scored classes, when sampling) fit in one
+    buffer of ``ce_chunks.AUTO_CHUNK_BYTES`` (128 MiB on CPU, at least 64 tokens; 512 MiB on GPUs;
+    see `bigdense.layers.head.ce_chunks.auto_chunk_size`).
     ``grad_strategy``: ``"forward"`` (form the gradients while the forward has each chunk's logits:
     3 matmuls) or ``"recompute"`` (recompute the logits in the backward: 4 matmuls, lets you call
     backward twice); see `bigdense.layers.head.fused_ce` for the measurements behind the default.

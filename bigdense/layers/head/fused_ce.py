@@ -35,8 +35,8 @@ for the same peak memory -- in both, the peak is the weight, its gradient and on
 of logits; only *when* the gradient buffer appears differs. Its cost is that the gradients exist
 from the forward on, and a loss can only be backpropagated once.
 
-Across ranks, each chunk's all-gather of statistics is started and left running while the next
-chunk's logits are computed (two fp32 logits buffers), then finished; the buffers, the chunk
+Across ranks on GPUs, each chunk's all-gather of statistics is started and left running while the
+next chunk's logits are computed (two fp32 logits buffers), then finished; the buffers, the chunk
 sizes per device and the blocked low-precision weight gradient are in `ce_chunks`.
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ from ...parallel.autocast import no_autocast
 from .sampling import SampleRows
 from .ce_chunks import (  # noqa: F401 - auto_chunk_size is part of this module's interface
     AUTO_CHUNK_BYTES, ChunkBuffers, add_at_target_, auto_chunk_size, cast_operands, chunk_grads, chunk_stats,
-    finish_combine, start_combine,
+    exp_shifted_, finish_combine, logits_slots, start_combine,
 )
 
 @dataclass(frozen=True)
@@ -163,8 +163,8 @@ def _forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
     real = None if cfg.sample is None else cfg.sample.real
 
     hc_all, wc, bc = cast_operands(h, weight, bias, cfg.compute_dtype)
-    overlap = comm.group_size(cfg.group) > 1  # two logits slots: one chunk's collective runs under the next's matmul
-    bufs = ChunkBuffers(wc, n_tokens, cfg.chunk_size, 2 if overlap else 1, grads_now and need_w)
+    slots = logits_slots(comm.group_size(cfg.group), h.device.type)
+    bufs = ChunkBuffers(wc, n_tokens, cfg.chunk_size, slots, grads_now and need_w)
     losses = torch.zeros(n_tokens, dtype=torch.float32, device=h.device)
     lse_all = torch.empty(n_tokens, dtype=torch.float32, device=h.device)
     z_target_all = torch.empty(n_tokens, dtype=torch.float32, device=h.device) if need_off else None
@@ -202,7 +202,7 @@ def _forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
         if pending is not None:  # the previous chunk's statistics arrived while this chunk's matmul ran
             finish(*pending)
         pending = (rows, zt, stats, started)
-        if not overlap:  # one logits slot: the next chunk would overwrite it
+        if slots == 1:  # the next chunk would overwrite the only slot
             finish(*pending)
             pending = None
     if pending is not None:
@@ -333,8 +333,8 @@ def _recompute_backward(ctx, grad_out):
         p = bufs.logits(hc_all[rows], wc, bc, 0)
         if offset is not None:
             add_at_target_(p, ctx.t_local[rows], offset[rows])
-        # (lse = -inf only where no rank scores a class: padding rows of -inf then give exp(-inf) = 0)
-        p.sub_(ctx.lse[rows].clamp(min=torch.finfo(torch.float32).min)).exp_()
+        # (lse = -inf only where no rank scores a class, so every token is ignored: its weight is 0)
+        exp_shifted_(p, ctx.lse[rows])
         chunk_grads(p, 1.0, ctx.t_local[rows], ctx.in_shard[rows], token_weight[rows], hc_all[rows], wc, rows,
                     (grad_h, grad_w, grad_b), bufs, cfg.label_smoothing, cfg.smoothing_classes)
     if grad_h is not None and n_tokens and cfg.sum_grad_h:
