@@ -99,8 +99,9 @@ class ChunkBuffers:
 def chunk_stats(zt: torch.Tensor, t_local: torch.Tensor, in_shard: torch.Tensor, smoothing: bool,
                 real: Optional[torch.Tensor] = None):
     """Local softmax statistics of fp32 logits ``zt`` (C_local, n), classes-major; leaves
-    ``exp(z - m_local)`` in ``zt``. ``real`` (C_local,) bool: the rows that are classes, the others
-    padding of a sample (logit -inf).
+    ``exp(z - m_local)`` in ``zt`` (floored, `exp_shifted_`). ``real`` (C_local,) bool: the rows that
+    are classes, the others padding of a sample (logit -inf). A token whose rows here are all
+    padding has a max of -inf, which `finish_combine` and the caller's softmax scale treat as none.
 
     Returns (4, n): max, sum of exp(z - max), target logit (0 off-shard), sum of logits (0 unless
     smoothing).
