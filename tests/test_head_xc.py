@@ -351,6 +351,33 @@ def test_fused_loss_allocates_nothing_per_chunk(dtype):
     assert _big_allocations(8, dtype) == _big_allocations(16, dtype)
 
 
+def test_logits_far_below_the_maximum_match_cross_entropy():
+    """Shifted logits below -87 are raised to exp(-87) = 1.6e-38 (off the CPU's slow exp path): with
+    logits spread over +-300, the loss and gradients still equal F.cross_entropy's. Tolerance: a
+    logit of 300 carries an fp32 rounding of ~2e-5, which moves its softmax by that relative amount
+    whatever the order of summation (the code before the floor differed from F.cross_entropy by 2.5e-5
+    on gradients of size 8 here); the raised terms are below every sum's resolution."""
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(8, 50, bias=True)
+    with torch.no_grad():
+        dense.weight.mul_(100.0)
+    head = bd.ParallelClassifierHead.from_dense(dense, chunk_size=3)
+    h, target = torch.randn(7, 8), torch.randint(0, 50, (7,))
+    assert (dense(h).amax(1, keepdim=True) - dense(h)).amax() > 200  # many terms under the floor
+    for eps in (0.0, 0.1):
+        x, xr = h.clone().requires_grad_(), h.clone().requires_grad_()
+        head.zero_grad(set_to_none=True)
+        dense.zero_grad(set_to_none=True)
+        loss = head.loss(x, target, label_smoothing=eps)
+        ref = F.cross_entropy(dense(xr), target, label_smoothing=eps)
+        loss.backward()
+        ref.backward()
+        for what, ours, theirs in (("loss", loss, ref), ("grad h", x.grad, xr.grad),
+                                   ("grad W", head.weight.grad, dense.weight.grad),
+                                   ("grad b", head.bias.grad, dense.bias.grad)):
+            assert_close(ours, theirs, f"eps={eps} {what}", rtol=1e-4, atol=1e-4 * float(theirs.abs().max()))
+
+
 def test_chunk_sizes_per_device():
     from bigdense.layers.head.ce_chunks import auto_chunk_size
 
@@ -387,5 +414,5 @@ def _overlap_order(slots):
 
 
 @pytest.mark.parametrize("slots", [1, 2], ids=["cpu-one-slot", "gpu-two-slots"])
-def test_statistics_all_gather_overlaps_the_next_chunks_matmul_with_two_slots(slots):
+def test_statistics_all_gather_overlaps_the_next_chunks_matmul_only_with_two_slots(slots):
     run_ranks(_overlap_order, 2, slots)
