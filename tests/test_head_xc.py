@@ -416,3 +416,23 @@ def _overlap_order(slots):
 @pytest.mark.parametrize("slots", [1, 2], ids=["cpu-one-slot", "gpu-two-slots"])
 def test_statistics_all_gather_overlaps_the_next_chunks_matmul_only_with_two_slots(slots):
     run_ranks(_overlap_order, 2, slots)
+
+
+def test_unit_rows_matches_f_normalize_with_zero_and_tiny_rows():
+    # The margin heads normalise with UnitRows' hand-written backward; autograd through F.normalize
+    # is the twin. float64, so the two orders of summation agree to ~1e-16 relative. A zero row (a
+    # sample's padding) and a row of norm below eps take F.normalize's clamped branch (gradient over
+    # eps, no projection), which a backward that always projects gets wrong by the projected term.
+    from bigdense.layers.head.margin import unit_rows
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 6, generator=g, dtype=torch.float64)
+    x[2], x[4], x[6] = 0.0, x[4] * 1e-14, x[6] * 1e6
+    grad = torch.randn(9, 6, generator=g, dtype=torch.float64)
+    ours, twin = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, ref = unit_rows(ours), F.normalize(twin, dim=-1)
+    out.backward(grad)
+    ref.backward(grad)
+    torch.testing.assert_close(out, ref, rtol=1e-15, atol=0)
+    torch.testing.assert_close(ours.grad, twin.grad, rtol=1e-13, atol=0)
+    assert ours.grad[4].abs().max() > 1e10  # the clamped branch ran: gradient over eps = 1e-12

@@ -157,7 +157,9 @@ def chunk_grads(pt, scale, t_local, in_shard, weight, hc, wc, rows: slice, grads
     """Add one chunk's gradients into the fp32 buffers ``grads = (grad_h, grad_w, grad_b)``.
 
     ``pt * scale`` (C_local, n, fp32) are the chunk's softmax probabilities; ``weight`` (n,) the
-    per-token factor d(loss)/d(loss_i). In fp32 the factor is folded into the logit gradient. In a
+    per-token factor d(loss)/d(loss_i). In fp32 without label smoothing the factors go onto the
+    (n, D) operands and results and ``pt`` is left as it is (`_fp32_grads_unscaled`); with smoothing
+    they are folded into the logit gradient, which every class's entry then needs anyway. In a
     lower-precision matmul dtype it is not: a factor such as 1/n_valid would push small per-logit
     gradients below fp16's smallest normal number, flushing them to zero. There the matmuls see the
     unweighted logit gradient (entries in [-1, 1]) and the factor is applied in fp32 afterwards: per
@@ -165,6 +167,9 @@ def chunk_grads(pt, scale, t_local, in_shard, weight, hc, wc, rows: slice, grads
     each token's factor relative to it; ``grad_w`` is then formed ``bufs.block_rows`` rows at a time.
     """
     grad_h, grad_w, grad_b = grads
+    if wc.dtype == torch.float32 and eps == 0:
+        _fp32_grads_unscaled(pt, scale * weight, -weight * in_shard, t_local, hc, wc, rows, grads)
+        return
     if wc.dtype == torch.float32:
         logit_grad_(pt, scale, t_local, in_shard, weight, eps, num_classes)
         if grad_b is not None:
@@ -187,6 +192,26 @@ def chunk_grads(pt, scale, t_local, in_shard, weight, hc, wc, rows: slice, grads
             r1 = min(r0 + bufs.block_rows, low.shape[0])
             block = torch.mm(low[r0:r1], scaled_h, out=bufs.block[: r1 - r0])
             grad_w[r0:r1].addcmul_(block, largest)
+
+
+def _fp32_grads_unscaled(pt, factor, at_target, t_local, hc, wc, rows: slice, grads) -> None:
+    """`chunk_grads` in fp32 without label smoothing, leaving ``pt`` as it is: the logit gradient is
+    ``pt * factor`` (a factor per token, a column of ``pt``) plus ``at_target`` (n,) at each token's
+    target row, so the factor goes onto the (n, D) operands and results, and the target term is a
+    gather or scatter of n rows. That saves a read and a write of the whole (C_local, n) chunk."""
+    grad_h, grad_w, grad_b = grads
+    if pt.shape[0] == 0:  # no class on this rank: nothing to add, and no target row to index
+        if grad_h is not None:
+            grad_h[rows] = 0.0
+        return
+    if grad_b is not None:
+        grad_b.addmv_(pt, factor).index_add_(0, t_local, at_target)
+    if grad_h is not None:
+        out = torch.mm(pt.t(), wc, out=grad_h[rows]).mul_(factor.unsqueeze(1))
+        out.addcmul_(wc.index_select(0, t_local), at_target.unsqueeze(1))
+    if grad_w is not None:
+        grad_w.addmm_(pt, hc * factor.unsqueeze(1))
+        grad_w.index_add_(0, t_local, hc * at_target.unsqueeze(1))
 
 
 def cast_operands(h, weight, bias, dtype) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:

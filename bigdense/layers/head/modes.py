@@ -9,13 +9,12 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ...host_checks import checks_enabled
 from ...parallel import comm
 from ...parallel.context import get_default_context, resolve_tp_group
 from ...parallel.regions import gather_batch_from_dp
-from .margin import target_offset
+from .margin import target_offset, unit_rows
 from .sampling import ScoredClasses, draw_sample_seed, sample_classes
 from .fused_ce import RowBlocks
 
@@ -133,7 +132,7 @@ def loss_inputs(head, h: torch.Tensor, target: torch.Tensor, ignore_index: int) 
         classes = sample_classes(classes, draw_sample_seed(), head.sample_rate, global_targets, groups.classes)
     offset = None
     if head.margin is not None:
-        h_unit, w_unit = F.normalize(h, dim=-1), F.normalize(classes.weight, dim=-1)
+        h_unit, w_unit = unit_rows(h), unit_rows(classes.weight)
         offset = target_offset(
             head.margin, h_unit, w_unit, classes.target, classes.class_start, classes.ignore_index,
             # (under sequence parallelism h's gradient stays partial: the sequence gather sums it)
