@@ -133,5 +133,10 @@ def test_sample_capacity_holds_every_target_and_seven_sigmas():
     assert sampling.sample_capacity(100, 1.0, 10) == 100
     assert sampling.sample_capacity(20, 0.5, 4) == 20  # a small shard keeps room for every class
     cap = sampling.sample_capacity(500_000, 0.1, 4096)
-    mean, sigma = 50_000, math.sqrt(500_000 * 0.1 * 0.9)
-    assert mean + 7 * sigma + 4096 <= cap <= mean + 7 * sigma + 4096 + 9
+    # D distinct targets here: D rows plus Binomial(500,000 - D, 0.1) others. Every D up to the
+    # batch's 4,096 stays 7 of its own sigmas below the capacity; and the capacity is no more than
+    # the worst case (D = 4,096) needs, plus 9 for the rounding and the spread's +7.
+    for d in (0, 1, 1000, 4096):
+        mean, sigma = d + 0.1 * (500_000 - d), math.sqrt((500_000 - d) * 0.1 * 0.9)
+        assert mean + 7 * sigma <= cap, d
+    assert cap <= 4096 + 0.1 * (500_000 - 4096) + 7 * math.sqrt(500_000 * 0.1 * 0.9) + 9

@@ -118,10 +118,12 @@ class ScoredClasses(NamedTuple):
     sample: Optional[SampleRows] = None
 
 
-# A sample is padded to a capacity fixed before it is drawn, so its size is never read on the host:
-# room for every token of the global batch naming a distinct target here, plus the binomial count of
-# the other classes up to SIGMAS standard deviations above its mean (exceeded with a chance below
-# 1e-11 per rank and call; that call's loss is then NaN, on every rank, and the step is skipped).
+# A sample is padded to a capacity fixed before it is drawn, so its size is never read on the host.
+# A rank where the global batch names D distinct classes scores D + Binomial(classes - D, rate) rows,
+# which grows with D; so the capacity is the worst case, every token naming a distinct class here,
+# plus SIGMAS standard deviations of the binomial over all the rank's classes (exceeded with a chance
+# below 1e-11 per rank and call, whatever D is; that call's loss is then NaN, on every rank, and the
+# step is skipped).
 SIGMAS = 7
 
 
@@ -130,8 +132,9 @@ def sample_capacity(classes: int, rate: float, tokens: int) -> int:
     global batch has ``tokens`` targets."""
     if rate >= 1.0:
         return classes
+    targets = min(tokens, classes)
     spread = SIGMAS * math.sqrt(classes * rate * (1.0 - rate)) + SIGMAS
-    return min(classes, math.ceil(rate * classes + spread) + tokens)
+    return min(classes, targets + math.ceil(rate * (classes - targets) + spread))
 
 
 def sample_classes(full: ScoredClasses, seed, rate: float, global_targets: torch.Tensor, group) -> ScoredClasses:
