@@ -3,6 +3,7 @@
     python -m bigdense.bench.head_floor                          # 131,072 / 1,000,000 / 4,000,000 classes
     python -m bigdense.bench.head_floor --classes 131072 --iters 2 --warmup 1   # one size, quicker
     python -m bigdense.bench.head_floor --classes 1000000 --chunk-gemms 8 16 32 64 128 256   # GEMMs by chunk
+    python -m bigdense.bench.head_floor --classes 1000000 --chunk-passes   # ns per logit of each pass
 
 Per class count, on 2 gloo CPU ranks with 1 thread each, fp32, ``--tokens`` tokens in all (4,096), d=128,
 forward + backward with the input requiring grad, the same weights and inputs everywhere:
@@ -325,6 +326,54 @@ def chunk_gemm_rates(args, classes: int) -> None:
             append_json_lines(args.json, [dict(suite="head_floor_chunk_gemms", classes=classes, tokens=n, gflops=rates)])
 
 
+# ---- what is left above the floor: the softmax's passes over one chunk ----------------------------
+def chunk_pass_costs(args, classes: int) -> None:
+    """Nanoseconds per logit of each pass the fused fp32 loss makes over one automatic chunk's logits
+    (one rank's shard of ``classes``, one thread), next to the chunk's three GEMMs: how far above
+    the floor the exact heads must stay when their GEMMs run at its rate. Each in-place pass starts
+    from the logits it would see in the loss (restored outside the timing)."""
+    from bigdense.layers.head.ce_chunks import EXP_FLOOR, auto_chunk_size
+
+    torch.set_num_threads(1)
+    rows = classes // 2
+    n = auto_chunk_size(rows, "cpu")
+    g = torch.Generator().manual_seed(SEED)
+    w = torch.randn(rows, args.features, generator=g) / math.sqrt(args.features)
+    h = torch.randn(n, args.features, generator=g)
+    logits = torch.mm(w, h.t())
+    shift = logits.amax(0)
+    shifted = logits - shift
+    z, grad_w, grad_h = torch.empty_like(logits), torch.zeros_like(w), torch.empty_like(h)
+    passes = {  # name: (the logits it starts from, the pass)
+        "GEMM logits": (None, lambda: torch.mm(w, h.t(), out=z)),
+        "GEMM grad h": (logits, lambda: torch.mm(z.t(), w, out=grad_h)),
+        "GEMM grad W": (logits, lambda: grad_w.addmm_(z, h)),
+        "max": (logits, lambda: z.amax(0)),
+        "shift": (logits, lambda: z.sub_(shift)),
+        "floor": (shifted, lambda: z.clamp_(min=EXP_FLOOR)),
+        "exp": (shifted, lambda: z.exp_()),
+        "sum": (shifted, lambda: z.sum(0)),
+    }
+    print(f"one chunk: {n} tokens x {rows:,} classes, 1 thread (ns per logit, best of 3)", flush=True)
+    costs = {}
+    for name, (start, one_pass) in passes.items():
+        best = float("inf")
+        for _ in range(3):
+            if start is not None:
+                z.copy_(start)
+            begin = time.perf_counter()
+            one_pass()
+            best = min(best, time.perf_counter() - begin)
+        costs[name] = best / logits.numel() * 1e9
+        print(f"  {name:<12} {costs[name]:6.2f}", flush=True)
+    gemms = sum(v for k, v in costs.items() if k.startswith("GEMM"))
+    softmax = sum(v for k, v in costs.items() if not k.startswith("GEMM"))
+    print(f"  softmax passes {softmax:.2f} ns per logit: {softmax / gemms:.1%} of the GEMMs' {gemms:.2f}", flush=True)
+    if args.json:
+        append_json_lines(args.json, [dict(suite="head_floor_chunk_passes", classes=classes, tokens=n,
+                                           ns_per_logit=costs)])
+
+
 # ---- the run ---------------------------------------------------------------------------------------
 def _available_bytes() -> int:
     with open("/proc/meminfo") as f:
@@ -391,6 +440,9 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk-gemms", type=int, nargs="+", metavar="TOKENS",
                         help="instead of the modes: the GFLOP/s of one chunk's three GEMMs at these token counts "
                              "(one thread, the first --classes split over two ranks)")
+    parser.add_argument("--chunk-passes", action="store_true",
+                        help="instead of the modes: ns per logit of each pass over one automatic chunk, GEMMs and "
+                             "softmax (one thread, the first --classes split over two ranks)")
     parser.add_argument("--json", help="append one JSON object per row to this file")
     parser.add_argument("--start-method", default="spawn", choices=("spawn", "fork"),
                         help="how each mode's ranks start: spawn (default) gives each its own peak RSS; fork starts "
@@ -400,6 +452,9 @@ def main(argv=None) -> None:
         parser.error(f"--tokens must be even (two ranks), got {args.tokens}")
     if args.chunk_gemms:
         chunk_gemm_rates(args, args.classes[0])
+        return
+    if args.chunk_passes:
+        chunk_pass_costs(args, args.classes[0])
         return
 
     from bigdense.testing import run_ranks
