@@ -89,12 +89,11 @@ def test_head_floor_bench_measures_a_chunks_gemms_by_token_count(tmp_path):
 
 def test_head_floor_bench_times_each_pass_over_a_chunk(tmp_path, capsys):
     from bigdense.bench import head_floor
+    from bigdense.layers.head.ce_chunks import auto_chunk_size
 
     path = tmp_path / "passes.jsonl"
     head_floor.main(["--classes", "2000", "--features", "16", "--chunk-passes", "--json", str(path)])
     (row,) = [json.loads(line) for line in open(path)]
-    from bigdense.layers.head.ce_chunks import auto_chunk_size
-
     assert row["tokens"] == auto_chunk_size(1000, "cpu")  # the loss's own chunk for a rank's 1,000 classes
     assert set(row["ns_per_logit"]) == {"GEMM logits", "GEMM grad h", "GEMM grad W", "max", "shift", "floor",
                                         "exp", "sum"}
