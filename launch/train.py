@@ -25,7 +25,7 @@ from bigdense.data import prepare_data
 from bigdense.jobs import build_gpt, build_hf, model_tokenizer, parallelize_model, start_run
 from bigdense.jobs.loop import StepLoop
 from bigdense.jobs.run import launch, run_job
-from bigdense.layers.prune_schedule import GradualPruning
+from bigdense.compression.prune_schedule import GradualPruning
 from bigdense.train.checkpointing import RunCheckpoints
 from bigdense.train.faults import train_step_or_diagnose
 from bigdense.train.flops import flops_per_token, mfu, peak_tflops

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import bigdense as bd
-from bigdense.layers.svd import sharded_svd
+from bigdense.compression.svd import sharded_svd
 from bigdense.parallel import comm
 from bigdense.parallel.sharding import ShardSpec
 from bigdense.testing import run_ranks

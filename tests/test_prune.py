@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import bigdense as bd
 from bigdense.config import PruneConfig
 from bigdense.errors import ConfigError
-from bigdense.layers.prune_schedule import GradualPruning, check_prune_schedule, sparsity_at
+from bigdense.compression.prune_schedule import GradualPruning, check_prune_schedule, sparsity_at
 from bigdense.parallel import comm
 from bigdense.testing import RankError, run_ranks
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 import bigdense as bd
 from bigdense.layers.mlp import DenseMLP
-from bigdense.layers.sparse import semi_structured_refusal
+from bigdense.compression.sparse import semi_structured_refusal
 from bigdense.parallel import comm
 from bigdense.parallel.sharding import ShardSpec
 from bigdense.testing import run_ranks

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..layers.sparse import median_ms
+from ..compression.sparse import median_ms
 from . import SEED, append_json_lines
 
 FAST_RCNN = (("fc6", 25088, 4096), ("fc7", 4096, 4096))

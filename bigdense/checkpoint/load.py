@@ -27,7 +27,7 @@ from .format import (
 from .adapters import resolve_optimizer
 from .optimizer import OptimizerAdapter, check_optimizer_groups
 from .pieces import ModelState, current_context, model_pieces, unwrap
-from ..layers.prune_masks import attach_saved_masks
+from ..compression.prune_masks import attach_saved_masks
 from .rng import restore_rng
 from .verify import assign_hashing, node_name, verify_mode
 

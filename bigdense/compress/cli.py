@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..layers.pruning import STRUCTURES
+from ..compression.pruning import STRUCTURES
 from . import int8 as int8_method, lowrank as lowrank_method, prune as prune_method
 from .measure import DENSE, held_out_loss, load_reference_gpt
 
@@ -130,8 +130,8 @@ def format_report(report: dict) -> str:
 def main(argv=None) -> int:
     from .. import destroy_parallel, get_default_context
     from ..checkpoint.format import CheckpointError
-    from ..layers.lowrank import check_energy
-    from ..layers.pruning import check_sparsity
+    from ..compression.lowrank import check_energy
+    from ..compression.pruning import check_sparsity
 
     args = parse(sys.argv[1:] if argv is None else argv)
     try:

@@ -11,8 +11,9 @@ import math
 
 import torch.nn as nn
 
-from ..layers import Int8Linear
-from ..layers.inference import masked_weight, replace_module
+from ..compression import Int8Linear
+from ..compression.inference import masked_weight
+from ..layers.base import replace_module
 from .measure import counts, dense_layers, forward_ms, summed_over_shards
 
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 from ..layers import ColumnParallelLinear, RowParallelLinear
-from ..layers.inference import replace_module
-from ..layers.lowrank import low_rank
+from ..layers.base import replace_module
+from ..compression.lowrank import low_rank
 from ..parallel import comm
 from .measure import counts, dense_layers, forward_ms
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 from ..layers import ColumnParallelLinear, ParallelClassifierHead, RowParallelLinear
-from ..layers.inference import InferenceLinear
-from ..layers.sparse import median_ms
+from ..compression.inference import InferenceLinear
+from ..compression.sparse import median_ms
 from ..parallel import comm
 
 DENSE = (nn.Linear, ColumnParallelLinear, RowParallelLinear)
@@ -89,7 +89,7 @@ def apply_compressed_structure(model: nn.Module, compressed: dict) -> None:
     """Give a freshly built GPT the structure a compressed checkpoint's weights need, from the
     checkpoint's ``compressed`` record (low rank and ``d_hidden`` are in its ``model`` config already;
     pruned layers get their masks from the load itself): the int8 layers."""
-    from ..layers import quantize_int8
+    from ..compression import quantize_int8
 
     if compressed.get("int8"):
         quantize_int8(model, layers=list(compressed["int8"]))

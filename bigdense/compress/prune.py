@@ -19,7 +19,8 @@ import math
 
 import torch.nn as nn
 
-from ..layers import ParallelMLP, prune, to_sparse
+from ..compression import prune, to_sparse
+from ..layers import ParallelMLP
 from .measure import counts, dense_layers, forward_ms, squared_norm
 
 

@@ -162,7 +162,7 @@ class HeadConfig:
 
 @dataclass
 class PruneConfig:
-    """Gradual magnitude pruning during training (`bigdense.layers.prune_schedule`, docs/pruning.md);
+    """Gradual magnitude pruning during training (`bigdense.compression.prune_schedule`, docs/pruning.md);
     off while ``sparsity`` is 0. Event i = 0 .. steps-1, once start_step + i * every steps are done,
     prunes to sparsity * (1 - (1 - (i + 1) / steps) ** 3) (cubic). engine=ddp only."""
 

@@ -15,7 +15,7 @@ from ..layers.head.modes import SHARD_MODES
 from ..layers.init import INITIALIZERS
 from ..layers.head.margin import resolve_margin
 from ..layers.mlp import ACTIVATIONS
-from ..layers.prune_schedule import check_prune_schedule
+from ..compression.prune_schedule import check_prune_schedule
 from ..layers.head.sampling import check_sample_rate
 from ..models import MODELS
 from ..models.hf_dir import HFDirectory

@@ -202,3 +202,12 @@ def materialize(module: nn.Module, device="cpu") -> nn.Module:
         if hasattr(sub, "reset_parameters"):
             sub.reset_parameters()
     return module
+
+
+def replace_module(root: nn.Module, name: str, new: nn.Module) -> nn.Module:
+    """Put ``new`` at ``name`` in ``root``; returns the root (``new`` when ``name`` is ``""``)."""
+    if not name:
+        return new
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+    return root

@@ -32,7 +32,7 @@ class ParallelMLP(TensorParallelModule):
     forward hooks on ``up``/``gate`` do not fire (hooks on the MLP and on ``down`` do). A projection
     replaced by another module mapping (*, d_model) to this rank's hidden slice -- a `bd.low_rank`
     pair, which enters the TP region itself with fewer features, or an int8 or sparse stand-in
-    (`bigdense.layers.inference`) -- is called as a module.
+    (`bigdense.compression.inference`) -- is called as a module.
 
     ``sequence_parallel=True``: input and output (*, S_local, d_model), this rank's balanced share
     of the sequence (``forward(x, seq_len=S)`` states S; see `ColumnParallelLinear`). Forward: one

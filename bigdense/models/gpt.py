@@ -231,8 +231,8 @@ class GPT(nn.Module):
             self._make_low_rank(path, int(rank))
 
     def _make_low_rank(self, path: str, rank: int) -> None:
-        from ..layers.inference import replace_module
-        from ..layers.lowrank import low_rank_like
+        from ..layers.base import replace_module
+        from ..compression.lowrank import low_rank_like
 
         try:
             layer = self.get_submodule(path)

@@ -51,7 +51,7 @@ from ..layers import (
 )
 from ..layers.base import named_shard_specs
 from ..layers.conv1d import is_conv1d
-from ..layers.inference import replace_module
+from ..layers.base import replace_module
 from ..parallel import comm
 from ..parallel.context import resolve_tp_group
 from ..parallel.sharding import shard_range

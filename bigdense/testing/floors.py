@@ -24,6 +24,7 @@ FLOORS = (
     (2, "bigdense.data", "the corpus, its tokenizer and batches"),
     (3, "bigdense.models", "reference models made of bigdense layers"),
     (3, "bigdense.parallelize", "converting an existing nn.Module, Hugging Face plans"),
+    (3, "bigdense.compression", "making a trained dense layer smaller: low rank, pruning, sparse, int8"),
     (4, "bigdense.checkpoint", "layout-free checkpoints, dense export"),
     (4, "bigdense.plan", "the memory planner's estimates, from a model's shapes (bd.plan.estimate)"),
     (5, "bigdense.train", "engines, clipping, precision, recompute, schedules, metrics, faults"),

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ...layers.base import named_shard_specs
-from ...layers.prune_masks import MaskKeeper
+from ...compression.prune_masks import MaskKeeper
 from ...parallel import comm
 from ...parallel.partial_grads import deferred_partial_grad_sums, partial_grad_params, sum_partial_grads_
 from ...errors import check_positive

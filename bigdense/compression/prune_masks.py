@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..parallel.sharding import is_dtensor
-from .base import TensorParallelModule
+from ..layers.base import TensorParallelModule
 
 MASK = "weight_mask"
 _changes = [0]  # bumped whenever a mask is added anywhere: `MaskKeeper` looks for masks again

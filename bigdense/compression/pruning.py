@@ -34,9 +34,9 @@ import torch.nn as nn
 from ..errors import check_choice, check_positive_int
 from ..parallel import comm
 from ..parallel.sharding import ShardSpec
-from .base import TensorParallelModule
-from .head import ParallelClassifierHead
-from .linear import ColumnParallelLinear, RowParallelLinear
+from ..layers.base import TensorParallelModule
+from ..layers.head import ParallelClassifierHead
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from .prune_masks import mask_of, set_mask_
 from .prune_rows import find_pairs, shrink_pair
 from .prune_select import BLOCK, Candidate, magnitude_keys, select_smallest

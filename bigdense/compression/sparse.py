@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from ..errors import check_choice
 from ..parallel import comm
 from ..parallel.context import resolve_tp_group
-from .inference import InferenceLinear, dense_kind, is_dense, masked_weight, matching_layers, replace_module
+from ..layers.base import replace_module
+from .inference import InferenceLinear, dense_kind, is_dense, masked_weight, matching_layers
 from .prune_masks import mask_of
 
 FORMATS = ("csr", "semi_structured")

@@ -28,10 +28,10 @@ from ..parallel.regions import (
     copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp, reduce_scatter_to_sequence, scatter_to_tp,
 )
 from ..parallel.sharding import shard_range
-from .base import TensorParallelModule
-from .conv1d import ColumnParallelConv1D, RowParallelConv1D
-from .head import ParallelClassifierHead
-from .linear import ColumnParallelLinear, RowParallelLinear
+from ..layers.base import TensorParallelModule
+from ..layers.conv1d import ColumnParallelConv1D, RowParallelConv1D
+from ..layers.head import ParallelClassifierHead
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from .prune_masks import mask_of
 
 KINDS = ("linear", "column", "row")
@@ -79,15 +79,6 @@ def matching_layers(module: nn.Module, patterns: Optional[list[str]], want) -> l
             found.append((name, sub))
             inside.append(name)
     return found
-
-
-def replace_module(root: nn.Module, name: str, new: nn.Module) -> nn.Module:
-    """Put ``new`` at ``name`` in ``root``; returns the root (``new`` when ``name`` is ``""``)."""
-    if not name:
-        return new
-    parent, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, child, new)
-    return root
 
 
 class InferenceLinear(TensorParallelModule):

@@ -31,7 +31,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..parallel import comm
-from .inference import InferenceLinear, is_dense, masked_weight, matching_layers, replace_module
+from ..layers.base import replace_module
+from .inference import InferenceLinear, is_dense, masked_weight, matching_layers
 
 QMAX = 127  # symmetric: -127..127, so that -q is representable for every q
 TILE_ELEMENTS = 1 << 19  # weights converted at a time on CPU: 2 MiB in fp32

@@ -29,9 +29,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .base import materialize
-from .head import ParallelClassifierHead
-from .linear import ColumnParallelLinear, RowParallelLinear
+from ..layers.base import materialize
+from ..layers.head import ParallelClassifierHead
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from .svd import ShardedSVD, sharded_svd
 
 

@@ -27,9 +27,9 @@ import torch.nn as nn
 
 from ..parallel import comm
 from ..parallel.sharding import mark_sharded, shard_sizes
-from .base import TensorParallelModule
-from .dropout import ShardedDropout
-from .linear import ColumnParallelLinear, RowParallelLinear
+from ..layers.base import TensorParallelModule
+from ..layers.dropout import ShardedDropout
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from .prune_masks import mask_of, set_mask_
 from .prune_select import BLOCK
 
