@@ -5,7 +5,9 @@
 A small transformer block written in plain PyTorch (attention with per-head norms, a SwiGLU MLP
 with a fused [gate; up] projection, a tied embedding and head), converted by a plan, and compared
 by `bigdense.testing.check_parallel` with the unconverted model: forward, backward, an optimizer
-step, at tp=2 and tp=3. Then the same plan with one mistake, which the check names.
+step, at tp=2 and tp=3. Then the same plan with one mistake, ``[gate; up]`` split as one block
+(rank 0 would hold all of gate and none of up), and the check names the module at fault, ``gate_up``,
+although the numbers first differ after ``down``.
 """
 import torch
 import torch.nn as nn
@@ -48,5 +50,5 @@ report = check_parallel(Block, ids, tp=(2, 3), steps=1, plan=plan)  # prints a l
 assert report.exact
 
 wrong = check_parallel(Block, ids, tp=2, plan={**plan, "gate_up": "column"}, verbose=False)
-print(wrong)  # DIFFERS ... first module that disagrees: down
-assert not wrong.exact and wrong.results[2].first_mismatch is not None
+print(wrong)  # DIFFERS ... first module that disagrees: gate_up
+assert not wrong.exact and wrong.results[2].first_mismatch == "gate_up"

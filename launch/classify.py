@@ -95,8 +95,8 @@ def train(cfg) -> None:
     bar = tqdm(total=tr.max_steps, initial=start_step, disable=not (ctx.is_main and tr.progress_bar),
                dynamic_ncols=True, desc="classify")
     loop = StepLoop(tr, ckpts, start_step, data_offset, bar)
-    if loop.resumed:
-        metrics.write({"kind": "resume", "step": start_step})  # marked on the plot
+    if loop.trained:  # the plot marks a resume, and its title names every layout of the run
+        metrics.write_launch(start_step, run.layout)
     for step in loop:
         micro_batches = [task.train_batch(step.pos, m, ctx.dp_rank, ctx.dp_size) for m in range(cfg.data.grad_accum)]
         if loop.record(step, train_step_or_diagnose(engine, micro_batches, ctx, step.number)):

@@ -23,6 +23,7 @@ import bigdense as bd
 from bigdense.config import register_configs
 from bigdense.data import prepare_data
 from bigdense.jobs import build_gpt, build_hf, model_tokenizer, parallelize_model, start_run
+from bigdense.jobs.evaluate import held_out_loss
 from bigdense.jobs.loop import StepLoop
 from bigdense.jobs.run import launch, run_job
 from bigdense.compression.prune_schedule import GradualPruning
@@ -34,12 +35,6 @@ from bigdense.train.metrics import DenseLayerStats, MetricsLog, peak_memory_gb, 
 
 log = logging.getLogger("bigdense")
 register_configs()
-
-
-def evaluate(engine, data, ctx, n_batches: int) -> float:
-    """Mean held-out loss over a fixed set of batches (the same at every call), averaged over DP."""
-    losses = [engine.eval_loss(x, y) for x, y in data.val_batches(n_batches, ctx.dp_rank, ctx.dp_size)]
-    return sum(losses) / len(losses)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -88,8 +83,8 @@ def train(cfg) -> None:
     bar = tqdm(total=tr.max_steps, initial=start_step, disable=not (ctx.is_main and tr.progress_bar),
                dynamic_ncols=True, desc="train")
     loop = StepLoop(tr, ckpts, start_step, data_offset, bar)
-    if loop.resumed:
-        metrics.write({"kind": "resume", "step": start_step})  # marked on the loss curve
+    if loop.trained:  # the loss curve marks a resume, and its title names every layout of the run
+        metrics.write_launch(start_step, run.layout)
     stats = DenseLayerStats(model, ctx.tp_group) if tr.log_rms else None
     histograms = DenseLayerHistograms(model, ctx.tp_group) if tr.tensorboard and tr.log_histograms else None
     tokens_per_step = cfg.data.micro_batch_size * cfg.data.seq_len * cfg.data.grad_accum * ctx.dp_size
@@ -130,7 +125,7 @@ def train(cfg) -> None:
                           f"lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s | "
                           f"{step_time * 1e3:.0f} ms/step{util} | peak mem {record['peak_mem_gb']:.2f} GB")
         if step.eval:
-            eval_loss = evaluate(engine, data, ctx, tr.eval_batches)
+            eval_loss = held_out_loss(engine.eval_loss, data, ctx, tr.eval_batches)
             metrics.write({"kind": "eval", "step": step.number, "eval_loss": eval_loss})
             if ctx.is_main:
                 bar.write(f"step {step.number:5d} | held-out loss {eval_loss:.4f}")
@@ -143,7 +138,7 @@ def train(cfg) -> None:
     #    to train adds none of them).
     loop.finish()
     if loop.trained:
-        eval_loss = evaluate(engine, data, ctx, tr.eval_batches)
+        eval_loss = held_out_loss(engine.eval_loss, data, ctx, tr.eval_batches)
         metrics.write({"kind": "eval", "step": tr.max_steps, "eval_loss": eval_loss})
         log.info("held-out loss %.4f (perplexity %.1f) after %d steps", eval_loss, math.exp(min(eval_loss, 50)),
                  tr.max_steps)

@@ -5,6 +5,10 @@ import torch
 
 # Two cores: the parent process must not compete with its own ranks for threads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Triton kernels run on CPU tensors through Triton's interpreter, which Triton chooses when a kernel
+# is defined: set before anything imports one (tests/test_head_kernels.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)
 
 

@@ -5,6 +5,7 @@ Losses of the same weights at different TP sizes differ only by the order of fp3
 row-parallel all-reduces): 1e-5 relative on a loss of about 6.
 """
 import json
+import shlex
 import subprocess
 import sys
 
@@ -18,11 +19,11 @@ from bigdense.testing import run_ranks
 from helpers import ROOT, TRAIN
 
 
-def _save_initial(overrides, path):
+def _save_initial(overrides, path, tp=2):
     from bigdense.jobs import build_gpt
 
     cfg = compose(overrides, DEFAULT_CONF)
-    ctx = bd.init_parallel(tp=2)
+    ctx = bd.init_parallel(tp=tp)
     torch.manual_seed(0)
     model = build_gpt(cfg, cfg.data.vocab_size, ctx)
     bd.save_checkpoint(path, model, step=0, config=cfg)
@@ -45,12 +46,52 @@ def checkpoint(tmp_path, small):
     return path
 
 
+@pytest.fixture
+def dp2_checkpoint(tmp_path, small):
+    """A checkpoint saved at tp=1 x dp=2: a run whose held-out set is two batches per DP rank."""
+    path = tmp_path / "ckpt-dp2"
+    run_ranks(_save_initial, 2, [*small, "trainer.eval_batches=2", "model.dropout=0.2"], path, 1)
+    return path
+
+
+def _as_the_run_evaluated(path, dp):
+    """The held-out loss as each of the run's ``dp`` DP ranks computed its part (eval mode, its own
+    batches) and the run averaged them: written out here, apart from the library's evaluation."""
+    from bigdense.data import prepare_data
+
+    ctx = bd.init_parallel(tp=1)
+    model, cfg, _ = load_reference_gpt(path, ctx)
+    data = prepare_data(cfg.data, ctx, seed=cfg.trainer.seed)
+    model.eval()
+    with torch.no_grad():
+        per_rank = [[float(model(x, y)) for x, y in data.val_batches(cfg.trainer.eval_batches, r, dp)]
+                    for r in range(dp)]
+    return sum(map(sum, per_rank)) / sum(map(len, per_rank))
+
+
+def test_the_loss_before_is_the_runs_own_held_out_loss_at_its_layout(dp2_checkpoint, tmp_path, small):
+    # The run evaluated 2 batches on each of its 2 DP ranks; compress, in one process, evaluates the
+    # same 4 batches (not the 2 of a one-rank run), with dropout off, as the run did.
+    out = tmp_path / "compressed"
+    assert main([str(dp2_checkpoint), "--rank", "8", "--out", str(out)]) == 0
+    report = json.loads((out / "compress_report.json").read_text())
+    assert report["held_out_loss_before"] == pytest.approx(_as_the_run_evaluated(dp2_checkpoint, 2), rel=1e-6)
+    # The fine-tune as the docs write commands: the run's 2 processes and layout, its model and data settings.
+    command = report["fine_tune_command"]
+    assert command[:5] == [".venv/bin/torchrun", "--standalone", "--nproc_per_node=2", "launch/train.py",
+                           f"trainer.init_from={out}"]
+    assert command[-1] == f"trainer.run_dir={out}-ft" and "parallel.tp=1" in command
+    assert set(small) - {"trainer.eval_batches=2", "trainer.log_interval=2", "trainer.progress_bar=false",
+                         "optim.warmup_steps=2"} <= set(command)  # the data and model keys, not the trainer's
+    assert "model.dropout=0.2" in command and not any(w.startswith(("trainer.eval", "optim.")) for w in command)
+
+
 def test_compress_writes_a_checkpoint_and_report_that_loads_at_another_tp(checkpoint, tmp_path, capsys):
     out = tmp_path / "compressed"
     assert main([str(checkpoint), "--energy", "0.9", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "held-out loss" in printed and "fine-tune with" in printed
     report = json.loads((out / "compress_report.json").read_text())
+    assert "held-out loss" in printed and f"\n  {shlex.join(report['fine_tune_command'])}" in printed
     layers = {r["layer"]: r for r in report["layers"]}
     assert set(layers) == {f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv", "attn.out", "mlp.up", "mlp.down")}
     for r in report["layers"]:

@@ -1,4 +1,5 @@
-"""No shape hangs a job: the layers and the reference models at the edges of their shapes.
+"""No shape hangs a job: the layers, their inference stand-ins and the reference models at the edges
+of their shapes; and the collective-schedule check itself.
 
 Every case runs on gloo ranks under the collective-schedule check (`bd.check_schedule`: the ranks
 agree on each collective before it is issued, so a divergence fails at once, naming the layer,
@@ -9,8 +10,9 @@ written with plain torch ops on the gathered full tensors (`helpers.py`).
 The edges: sequence lengths 0, 1, tp-1, tp, tp+1 and uneven (a rank whose sequence share is
 empty); class counts below, at and above tp (a rank with no class); sample rates whose sample
 leaves a shard empty (only the targets are sampled, and they fall on one shard); DP ranks with 0, 1
-and many tokens; every reduction and gradient strategy, ArcFace and CosFace margins, label
-smoothing, ignored tokens none, some or all; dropout on and off; sequence parallelism on and off.
+and many tokens; layer widths below tp (a rank holding no feature, for the float layers and for
+the int8 and sparse stand-ins); every reduction and gradient strategy, ArcFace and CosFace margins,
+label smoothing, ignored tokens none, some or all; dropout on and off; sequence parallelism on and off.
 The quick subset runs tp=2, tp=1 x dp=2 and the three reproductions this sweep was written for;
 the slow one adds tp=3 and tp=2 x dp=2.
 
@@ -19,10 +21,14 @@ partial sums, chunked weight gradients, the balanced splits), a few ulps of valu
 1e-5 relative and absolute for linear layers and the plain head. Margin heads run at scale 8,
 where the cosines' ulps are multiplied by the scale: 1e-4. GPT gradients are compared to 2e-5 of
 the largest entry of their tensor (absolute: small entries are sums with cancellation). A wrong
-mask, a missing contribution or a shard in the wrong place moves results by 1e-2 or more.
+mask, a missing contribution or a shard in the wrong place moves results by 1e-2 or more. The
+stand-ins' `to_dense` is compared bit for bit (it gathers ``q s`` or the kept weights, computed
+elementwise as the reference computes them); their outputs and input gradients at 1e-5 (fp32 sums
+of at most 6 products in another order).
 """
 import itertools
 import os
+import re
 import subprocess
 import sys
 
@@ -145,6 +151,96 @@ def _layer_sweep():
             _column_row_case(ctx, n, width)
         for s, sp, vocab in itertools.product(seq_lengths(tp), (False, True), sorted({1, tp - 1, tp, tp + 1} - {0})):
             _embedding_case(ctx, s, sp, vocab)
+    return "ok"
+
+
+# ---- the inference stand-ins (int8 weights, sparse products) of column and row layers ----
+STAND_INS = ("int8", "csr", "to_sparse")
+
+
+def _int8_reference(w):
+    """int8's definition on the full weight: per row, s = max|W| / 127, q = round(W / s): W is q s."""
+    s = w.abs().amax(dim=1) / 127
+    return torch.round(w / torch.where(s > 0, s, torch.ones_like(s))[:, None]).clamp(-127, 127) * s[:, None]
+
+
+def _stand_in(name, layer):
+    """``layer``'s stand-in ``name``: int8 weights, or a sparse product of its pruned weights (built
+    directly, or chosen by `bd.to_sparse`)."""
+    if name == "int8":
+        return bd.quantize_int8(layer)
+    if name == "csr":
+        return bd.SparseLinear(layer)
+    report = bd.to_sparse(layer, min_speedup=1e-9, sample_tokens=2, repeats=1)
+    assert [row["format"] for row in report.layers] == ["csr"], report.layers
+    return report.module
+
+
+def _stand_in_case(ctx, name, layout, width, s):
+    """One stand-in against ``x W^T + b`` on the full weight it computes with. ``layout``: column
+    (gathered or sharded output) from D to ``width`` features, row from ``width`` to D (input split here
+    or already split), or either under sequence parallelism; ``width`` < tp leaves a rank no feature.
+    ``s``: rows (sequence length under sequence parallelism; a batch of 2 then)."""
+    kind, option = layout
+    torch.manual_seed(width)
+    sp = option == "sp"
+    if kind == "column":
+        layer = bd.ColumnParallelLinear(D, width, gather_output=option == "gather", sequence_parallel=sp)
+    else:
+        layer = bd.RowParallelLinear(width, D, input_is_parallel=option != "split here", sequence_parallel=sp)
+    if name != "int8":
+        bd.prune(layer, 0.5)
+    full = full_params(layer, ctx.tp_group)
+    weight, bias = full["weight"].detach(), full["bias"].detach()
+    if name == "int8":
+        weight = _int8_reference(weight)
+    stand_in = _stand_in(name, layer)
+    dense = stand_in.to_dense()
+    what = f"{name} of {kind}({option}) width={width} rows={s} tp={ctx.tp_size}"
+    assert torch.equal(dense.weight, weight) and torch.equal(dense.bias, bias), what
+
+    shape = (2, s) if sp else (s,)
+    x, g = _randn(*shape, weight.shape[1], seed=s), _randn(*shape, weight.shape[0], seed=s + 1)
+    feat = bd.shard_range(width, ctx.tp_size, ctx.tp_rank)
+    seq = _share(s, ctx, sp)
+    take_in = slice(*feat) if kind == "row" and option != "split here" else slice(None)
+    take_out = slice(*feat) if kind == "column" and option != "gather" else slice(None)
+    x_in, out_seq = (x[:, slice(*seq)], slice(None)) if kind == "column" and sp else (x, slice(*seq) if sp else None)
+    xs = x_in[..., take_in].clone().requires_grad_()
+    y = stand_in(xs, s) if kind == "column" and sp else stand_in(xs)
+    g_mine = g[..., take_out] if out_seq is None else g[:, out_seq][..., take_out]
+    (y * g_mine).sum().backward()
+    y_ref, grad_ref = x @ weight.T + bias, g @ weight
+    y_ref = y_ref[..., take_out] if out_seq is None else y_ref[:, out_seq][..., take_out]
+    grad_ref = grad_ref[:, slice(*seq)] if kind == "column" and sp else grad_ref
+    assert_close(y, y_ref, f"{what}: output", **FP32)
+    assert_close(xs.grad, grad_ref[..., take_in], f"{what}: input grad", **FP32)
+
+
+def _semi_structured_is_refused_alike(ctx, width):
+    """2:4 needs a CUDA GPU: every rank refuses, an empty shard's rank too (the ranks agree first)."""
+    layer = bd.RowParallelLinear(width, D, input_is_parallel=False)
+    bd.prune(layer, 0.5)
+    every = f"refused on TP rank(s) {list(range(ctx.tp_size))} (this rank: 2:4 sparse kernels need a CUDA"
+    with pytest.raises(ValueError, match=re.escape(every)):
+        bd.SparseLinear(layer, "semi_structured")
+
+
+def _stand_in_sweep():
+    ctx = bd.init_parallel(tp=torch.distributed.get_world_size())
+    tp = ctx.tp_size
+    widths = sorted({1, tp - 1, tp + 1} - {0})
+    layouts = [("column", "gather"), ("column", "sharded"), ("row", "split here"), ("row", "split")]
+    with bd.check_schedule(timeout=CHECK_TIMEOUT_S):
+        # Each stand-in meets every layout at every width (an empty shard among them), the row counts
+        # turning among the stand-ins from one (layout, width) to the next.
+        for i, (layout, width, rows) in enumerate(itertools.product(layouts, widths, (0, 1, 5))):
+            _stand_in_case(ctx, STAND_INS[(i + i // 3) % 3], layout, width, rows)
+        for i, (layout, width, s) in enumerate(itertools.product((("column", "sp"), ("row", "sp")), widths,
+                                                                 seq_lengths(tp))):
+            _stand_in_case(ctx, STAND_INS[i % 3], layout, width, s)
+        if not torch.cuda.is_available():
+            _semi_structured_is_refused_alike(ctx, 1)
     return "ok"
 
 
@@ -379,6 +475,10 @@ def test_layers_at_every_edge_shape_tp2():
     assert run_ranks(_layer_sweep, 2, timeout=300) == ["ok"] * 2
 
 
+def test_inference_stand_ins_at_every_edge_shape_tp2():
+    assert run_ranks(_stand_in_sweep, 2, timeout=300) == ["ok"] * 2
+
+
 def test_head_at_every_edge_shape_tp2():
     assert run_ranks(_head_sweep, 2, timeout=300) == ["ok"] * 2
 
@@ -402,7 +502,8 @@ def test_classifier_engine_step_with_dp_ranks_counting_0_1_and_many_tokens():
 
 # ---- the slow sweep: tp=3, tp x dp ----
 @pytest.mark.slow
-@pytest.mark.parametrize("sweep", [_layer_sweep, _head_sweep, _gpt_sweep], ids=["layers", "head", "gpt"])
+@pytest.mark.parametrize("sweep", [_layer_sweep, _stand_in_sweep, _head_sweep, _gpt_sweep],
+                         ids=["layers", "stand-ins", "head", "gpt"])
 def test_edge_shapes_tp3(sweep):
     assert run_ranks(sweep, 3, timeout=600) == ["ok"] * 3
 
@@ -506,6 +607,99 @@ def test_a_skipped_collective_fails_fast_on_every_rank_naming_the_layer():
         assert elapsed < 5.0, elapsed
         assert "disagree at collective #0" in message and "2 (RowParallelLinear)" in message, message
         assert "rank 0: all_reduce" in message and "rank 1: " in message, message
+
+
+def _probe_on_one_rank():
+    ctx = bd.init_parallel(tp=2)
+    lin = torch.nn.Linear(4, 3)
+    with torch.no_grad():  # the same full layer on both ranks
+        lin.weight.copy_(_randn(3, 4, seed=1))
+        lin.bias.copy_(_randn(3, seed=2))
+    row = bd.RowParallelLinear.from_dense(lin, input_is_parallel=False)
+    x = _randn(2, 4, seed=3).requires_grad_()
+    with bd.check_schedule(timeout=CHECK_TIMEOUT_S):
+        y1 = row(x)
+        if ctx.tp_rank == 0:  # a probe, a metric: a module that issues no collective, on one rank only
+            with torch.no_grad():
+                torch.nn.Linear(3, 1)(y1)
+        y2 = row(x)
+        if ctx.tp_rank == 1:  # and one between a forward and its backward
+            torch.nn.Linear(3, 1)(y2)
+        y2.sum().backward()
+    return y1.detach(), y2.detach(), x.grad
+
+
+def test_a_module_without_collectives_on_one_rank_is_no_mismatch():
+    # Before: the end of the probe's forward was compared as if it were a collective: ScheduleMismatch at
+    # collective #2, "rank 0: no collective: it reached the end of the forward of Linear; rank 1:
+    # all_reduce ... in the forward of RowParallelLinear", though both ranks issued the same collectives.
+    w, b, x = _randn(3, 4, seed=1), _randn(3, seed=2), _randn(2, 4, seed=3)
+    for y1, y2, grad in run_ranks(_probe_on_one_rank, 2, timeout=60, collective_timeout=50):
+        # fp32 partial sums of 2 products each, added in another order: a few ulps.
+        assert_close(y1, x @ w.T + b, "y1", **FP32)
+        assert_close(y2, x @ w.T + b, "y2", **FP32)
+        assert_close(grad, torch.ones(2, 3) @ w, "input grad", **FP32)
+
+
+def _skips_the_last_collective(where, late=None):
+    """tp=2; rank 1 skips the last collective of a pass (the row layer's forward all-reduce; the column
+    layer's backward all-reduce, its input needing no gradient there), or stops before the next pass.
+    Rank ``late`` starts 0.3 s after the other (which of them sees the other first)."""
+    import time
+
+    ctx = bd.init_parallel(tp=2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(bd.ColumnParallelLinear(D, 8), torch.nn.GELU(), bd.RowParallelLinear(8, D))
+    x = _randn(3, D, seed=0)
+    if ctx.tp_rank == late:
+        time.sleep(0.3)
+    start = time.monotonic()
+    with bd.check_schedule(timeout=2.0 if where == "stop" else CHECK_TIMEOUT_S):
+        try:
+            if where == "forward":  # inference: the all-reduce is the pass's last (and only) collective
+                group = model[2].tp_group
+                with torch.no_grad():
+                    if ctx.tp_rank == 1:
+                        model[2].tp_group = None
+                    model(x)
+                    model[2].tp_group = group
+                    model(x)  # the same collective again: it must not pair with the skipped one
+            elif where == "backward":
+                model[0](x.clone().requires_grad_(ctx.tp_rank == 0)).sum().backward()
+                with torch.no_grad():
+                    model(x)
+            else:
+                with torch.no_grad():
+                    for _ in range(2 - ctx.tp_rank):  # rank 1 stops one pass early
+                        model(x)
+        except bd.ScheduleMismatch as err:
+            return time.monotonic() - start, str(err)
+    return time.monotonic() - start, "finished"
+
+
+@pytest.mark.parametrize("late", [0, 1])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_skipped_last_collective_fails_fast_on_both_ranks_naming_the_pass(where, late):
+    # Rank 1 ends the pass (the outermost module's forward, or the backward through it) without the
+    # collective rank 0 issues inside it. Caught by whichever rank sees the other first: rank 0
+    # waiting reads that rank 1 ended its pass; rank 1 ending it reads that rank 0 waits inside it; or
+    # (rank 0 late) rank 1's next collective arrives with that pass among those it ended -- in the
+    # forward the very same all-reduce, which would otherwise pair with the skipped one.
+    passes = {"forward": "the forward of Sequential", "backward": "the backward through ColumnParallelLinear"}
+    for elapsed, message in run_ranks(_skips_the_last_collective, 2, where, late, timeout=60, collective_timeout=50):
+        assert elapsed < 5.0, elapsed  # not the check's deadline (20 s), nor gloo's (50 s)
+        assert "disagree at collective #0" in message and "rank 0: all_reduce" in message, message
+        assert "reached the end of" in message and f"{passes[where]} (from collective #0 on)" in message, message
+
+
+def test_a_rank_that_stops_early_is_named_at_the_deadline_with_where_it_was():
+    (elapsed, message), (_, rank1) = run_ranks(_skips_the_last_collective, 2, "stop", timeout=60,
+                                               collective_timeout=50)
+    assert rank1 == "finished"
+    assert 2.0 <= elapsed < 10.0, elapsed  # the check's deadline, 2 s here
+    assert "collective #1 on the TP group" in message and "rank(s) [1] did not reach it within 2 s" in message
+    where = "rank 1 issued collective #0 last, then reached the end of the forward of Sequential (from collective #0 on)"
+    assert where in message, message
 
 
 def _enabled_in_a_fresh_process(value):

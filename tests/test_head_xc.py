@@ -391,11 +391,11 @@ def test_chunk_sizes_per_device():
 
 
 def _overlap_order(slots):
-    import bigdense.layers.head.fused_ce as fused_ce
+    import bigdense.layers.head.ce_chunks as ce_chunks
 
     bd.init_parallel(tp=2)
     if slots == 2:  # as on GPUs (the rank process ends after)
-        fused_ce.logits_slots = lambda group_size, device_type: 2
+        ce_chunks.logits_slots = lambda group_size, device_type: 2
     classes, width, chunk, chunks = 64, 16, 4, 3
     torch.manual_seed(0)
     head = bd.ParallelClassifierHead(width, classes, chunk_size=chunk)

@@ -1,8 +1,9 @@
 """Mixture-of-experts Hugging Face models (tiny Mixtral and Qwen3-MoE built from their configs,
-nothing downloaded) converted by their own plans (`moe_tp_experts`, `packed_colwise` experts,
-replicated routers; Qwen3's per-head norms `replicated_with_grad_allreduce`) train through the DDP
-engine exactly as their unconverted twins do, at tp=2 and tp=2 x dp=2, and their checkpoints
-reshard.
+nothing downloaded) converted by their own plans (replicated routers; Qwen3's per-head norms
+`replicated_with_grad_allreduce`; the experts by the tensor-parallel plan's `moe_tp_experts` and
+`packed_colwise` up to transformers 5.24, by the expert-parallel plan's whole experts per rank
+from 5.25, which no longer names them in the tensor-parallel plan) train through the DDP engine
+exactly as their unconverted twins do, at tp=2 and tp=2 x dp=2, and their checkpoints reshard.
 
 Every layout sees the same global micro-batches; DP rank d takes rows [d*B, (d+1)*B). The reference
 is the unconverted model in one process (tp=1, dp=1, the same engine). Tolerance, fp32: rtol 2e-5
@@ -101,7 +102,8 @@ def test_moe_checkpoint_saved_at_tp2_x_dp2_loads_bit_exactly_at_tp1_and_tp3(mode
     full = run_ranks(_load_at, 1, 1, model_type, path, timeout=300)[0]  # one process: every tensor whole
     for rank, shards in enumerate(run_ranks(_load_at, 3, 3, model_type, path, timeout=300)):
         # At tp=3 the 4 heads do not divide: attention stays whole, experts and MLPs split 3 ways
-        # (their intermediate sizes unevenly, each packed half of gate_up_proj on its own).
+        # (unevenly: the experts' intermediate size, each packed half of gate_up_proj on its own, up
+        # to transformers 5.24; the 4 experts themselves from 5.25).
         split = [n for n, (_, _, spec) in shards.items() if spec is not None]
         assert any("experts.gate_up_proj" in n for n in split), split
         for name, (param, moment, spec) in shards.items():

@@ -1,7 +1,9 @@
 """Hugging Face models converted by `bd.parallelize` with the plans they carry, compared with the
 unconverted model: tiny Llama (grouped-query attention, its own plan), BERT (a plan set on its
-config), GPT-2 (``Conv1D`` layers, column/row with their transposed layout). Built from configs,
-nothing downloaded.
+config), GPT-2 (``Conv1D`` layers, column/row with their transposed layout); LFM2, whose own plan
+names only its embedding and head, is told what to do, and the plan of its own that
+docs/converting-models.md gives converts it exactly (`check_parallel`'s rules). Built from
+configs, nothing downloaded.
 
 Tolerance: fp32 everywhere. TP changes only the order of sums (row-parallel partial products
 all-reduced, vocab-parallel lookups summed), ~1e-7 relative per op; through 2 layers, softmax and
@@ -10,14 +12,15 @@ from noise yet catches any wrong slice (which moves outputs by O(1)).
 """
 import copy
 import logging
+import re
 
 import pytest
 import safetensors.torch
 import torch
 
 import bigdense as bd
-from bigdense.testing import run_ranks
-from helpers import assert_close
+from bigdense.testing import check_parallel, run_ranks
+from helpers import ROOT, assert_close
 
 transformers = pytest.importorskip("transformers")
 
@@ -181,3 +184,43 @@ def test_an_hf_model_without_a_plan_is_told_what_to_do():
                                          r"'transformer\.h\.\*\.mlp\.c_fc'"):
         bd.parallelize(model)
     assert type(model.transformer.wpe) is torch.nn.Embedding  # nothing changed
+
+
+def _tiny_lfm2():
+    from bigdense.testing.hf_models import build_tiny
+
+    return build_tiny("lfm2", variant=True)  # a convolution layer and an attention layer, as released LFM2s mix
+
+
+def _lfm2_by_its_own_plan():
+    bd.init_parallel(tp=2)
+    torch.manual_seed(0)
+    report = bd.parallelize(_tiny_lfm2()).bd_parallel_report
+    return report.notes, report.sharded_fraction
+
+
+def test_a_plan_that_names_little_says_what_a_user_can_do():
+    notes, fraction = run_ranks(_lfm2_by_its_own_plan, 2, timeout=180)[0]
+    hint = [n for n in notes if "pass a plan of your own" in n]
+    assert fraction < 0.2 and len(hint) == 1, notes
+    assert hint[0].startswith(f"Lfm2ForCausalLM's own plan splits {fraction:.0%} of its parameters; 9 dense layer")
+    assert "model.layers.*.feed_forward.w1" in hint[0] and "docs/converting-models.md" in hint[0], hint[0]
+
+
+def _docs_plan_for_lfm2() -> dict:
+    """The entries docs/converting-models.md adds to LFM2's own plan (its block under 'A plan of
+    your own for a Hugging Face model'), so that the page shows the plan this test checks."""
+    section = (ROOT / "docs" / "converting-models.md").read_text().split("### A plan of your own", 1)[1]
+    block = re.search(r"```\n(.*?)```", section, re.S).group(1)
+    assert "**model.tp_plan" in block, block
+    return dict(re.findall(r'"([^"]+)": "([^"]+)"', block))
+
+
+def test_the_docs_plan_of_your_own_converts_lfm2_exactly():
+    from bigdense.testing.hf_models import token_batch
+
+    plan = {**_tiny_lfm2().tp_plan, **_docs_plan_for_lfm2()}
+    check = check_parallel(_tiny_lfm2, token_batch(), tp=2, steps=1, plan=plan, verbose=False)
+    assert check.exact, str(check)
+    split = float(re.search(r"([\d.]+)% of the parameters split", check.results[2].conversion).group(1))
+    assert split > 80, check.results[2].conversion  # the attention and the MLPs too, not only the embedding

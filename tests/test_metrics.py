@@ -3,6 +3,7 @@ on the tensors (recorded here with the test's own hooks), and tp=2 gives the sam
 import json
 import math
 
+import pytest
 import torch
 
 import bigdense as bd
@@ -118,3 +119,55 @@ def test_a_sharded_batchnorm_between_the_pair_is_no_dense_layer_of_the_statistic
     stats.capture = True
     block(torch.randn(4, 6)).sum().backward()
     assert {key.split("/")[1] for key in stats.collect()} == {"0", "3"}
+
+
+def test_each_launch_records_its_layout_and_the_title_names_every_layout(tmp_path):
+    from bigdense.train.metrics import layout_history
+
+    log = MetricsLog(tmp_path, enabled=True)
+    log.write_launch(0, {"tp": 2, "dp": 1})
+    log.write({"kind": "train", "step": 40, "loss": 5.0})
+    log.write_launch(40, {"tp": 1, "dp": 2})
+    log.write({"kind": "train", "step": 80, "loss": 4.0})
+    log.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"], r.get("layout")) for r in records if "layout" in r] == [
+        ("start", 0, {"tp": 2, "dp": 1}), ("resume", 40, {"tp": 1, "dp": 2})]
+    assert layout_history(records) == "tp=2 x dp=1 (steps 0-40), tp=1 x dp=2 (steps 40-80)"
+
+    def launch(step, tp, dp=1):
+        return {"kind": "start" if step == 0 else "resume", "step": step, "layout": {"tp": tp, "dp": dp}}
+
+    train = [{"kind": "train", "step": s, "loss": 1.0} for s in (10, 20, 30)]
+    assert layout_history([launch(0, 2), *train, launch(20, 2)]) == "tp=2 x dp=1"  # one layout, resumed
+    assert layout_history([launch(0, 2), launch(0, 1)] + train) == "tp=1 x dp=1"  # relaunched before a step
+    assert layout_history(train) == ""  # metrics written before launches recorded their layout
+    assert layout_history([*train[:2], launch(20, 4)] + train[2:]) == \
+        "layout not recorded (steps 0-20), tp=4 x dp=1 (steps 20-30)"
+
+
+@pytest.mark.parametrize("accuracy", [False, True], ids=["loss", "loss-and-accuracy"])
+def test_the_loss_curve_title_fits_the_figure_above_its_panels(accuracy):
+    # A torchrun run directory's name is a 36-character id; the title adds the model and two layouts.
+    from bigdense.train.metrics import loss_curve_figure
+
+    records = [{"kind": "start", "step": 0, "layout": {"tp": 2, "dp": 1}},
+               {"kind": "train", "step": 40, "loss": 5.0}, {"kind": "resume", "step": 40, "layout": {"tp": 1, "dp": 2}},
+               {"kind": "train", "step": 80, "loss": 4.0}, {"kind": "eval", "step": 80, "eval_loss": 4.2, "top1": 0.2,
+                                                             "top5": 0.5}]
+    for name in ("torchrun-0b74a1b1-9c2d-4c1e-8f3a-7e5f1c2b3a4d", "run-" + "x" * 150):  # the second cannot fit unbroken
+        fig = loss_curve_figure(records, title=f"{name}: gpt d=256 x 4 layers, fp32, ddp", accuracy=accuracy)
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        title = fig._suptitle
+        box, figure = title.get_window_extent(renderer), fig.bbox
+        inside = figure.x0 <= box.x0 and box.x1 <= figure.x1 and figure.y0 <= box.y0 and box.y1 <= figure.y1
+        assert inside, (box, figure)
+        for ax in fig.axes:  # nothing of a panel under the title
+            assert ax.get_tightbbox(renderer).y1 <= box.y0, (ax.get_tightbbox(renderer), box)
+        text = title.get_text().replace("\n", " ")
+        assert "tp=2 x dp=1 (steps 0-40)" in text and "tp=1 x dp=2 (steps 40-80)" in text
+        assert title.get_fontsize() >= 8
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)

@@ -91,6 +91,21 @@ def test_the_docs_resume_then_compress_then_fine_tune_path_runs_in_order(tmp_pat
     assert "model.low_rank from trainer.init_from=outputs/gpt-a-lowrank" in outs[6]
     assert [r["step"] for r in records(ft, "eval")][-1] == 4
     assert "run directory" in outs[6] and "checkpoint(s)" in outs[6]
+    # A named run directory without a checkpoint says that a run starts there; gpt-b, one edit from
+    # gpt-a (a typo, maybe), names it.
+    assert "trainer.run_dir=outputs/gpt-a holds no checkpoint: a new run starts there from step 0\n" in outs[0]
+    assert ("trainer.run_dir=outputs/gpt-b holds no checkpoint: a new run starts there from step 0; outputs/gpt-a "
+            "(one edit away) holds a run with checkpoints: trainer.run_dir=outputs/gpt-a resumes it") in outs[3]
+    # compress's "before" is the loss the run logged at that checkpoint's step, and the fine-tune it
+    # prints is a command as the docs write them, which runs as printed.
+    assert report["held_out_loss_before"] == pytest.approx(records(a, "eval")[-1]["eval_loss"], rel=1e-5)
+    printed = shlex.split(next(line for line in outs[5].splitlines() if line.startswith("  .venv/bin/torchrun")))
+    assert printed[:5] == [".venv/bin/torchrun", "--standalone", "--nproc_per_node=2", "launch/train.py",
+                           "trainer.init_from=outputs/gpt-a-lowrank"], printed
+    as_here = [str(BIN / "torchrun"), *[TRAIN if w == "launch/train.py" else w for w in printed[1:]]]  # cwd: tmp_path
+    code, out = run([*as_here, "trainer.max_steps=2"], tmp_path)
+    assert code == 0 and "model.low_rank from trainer.init_from=outputs/gpt-a-lowrank" in out, out
+    assert [r["step"] for r in records(tmp_path / "outputs" / "gpt-a-lowrank-ft", "eval")] == [2]
 
 
 def test_the_docs_hugging_face_fine_tune_then_export_runs_as_written(tmp_path, small):
@@ -153,3 +168,11 @@ def test_user_errors_are_one_message_last_and_no_traceback(trained, tmp_path, sm
     assert code != 0 and out.count(message) == 1, out
     assert message in last_lines(out), out  # torchrun's summary ends with it
     assert "Error executing job" not in out and not re.search(r'File ".*/bigdense/', out), out  # no traceback
+    # A config checked before the run directory is made leaves none behind; a run directory made
+    # before the error says in its log why the launch ended.
+    made = sorted((tmp_path / "outputs").glob("torchrun-*"))
+    if case in ("init_from_no_checkpoint", "init_from_run_without_checkpoint", "heads_advice"):
+        assert made == [], [p for d in made for p in d.rglob("*")]
+    else:
+        (run_dir,) = made or [trained]
+        assert message in (run_dir / "train_rank0.log").read_text()

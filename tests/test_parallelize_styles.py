@@ -5,17 +5,22 @@ against the same slice of the plain one).
 
 Each model isolates one style: the modules around it are plain or converted by the styles the
 others test. Tolerance: check_parallel's, rtol 1e-4 of each value's magnitude (the TP sums reorder
-fp32 additions; a wrong slice or a missing sum moves values by order 1).
+fp32 additions; a wrong slice or a missing sum moves values by order 1). Splits a TP size does not
+allow (units that do not divide, fewer experts than ranks) are refused before anything changes.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import bigdense as bd
+from bigdense.parallelize.plans import plan_conversion
 from bigdense.testing import check_parallel, run_ranks
 
 D, H, V, E = 8, 24, 11, 3  # width, hidden (6 heads of 4: whole heads at tp 2 and 3), vocabulary, experts
+E2, I2 = 5, 6  # routed experts (3 + 2 at tp=2, 2 + 2 + 1 at tp=3) and their hidden width
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -67,7 +72,39 @@ class Experts(nn.Module):
         return out
 
 
+class PerExpertScale(nn.Module):
+    """A parameter of one row per expert in a child of the experts (as a per-expert norm's weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(E2, D) + 0.5)
+
+
+class RoutedExperts(nn.Module):
+    """Experts as transformers writes them (Mixtral's): ``num_experts`` of them in (experts, ...)
+    weights, called with hidden states, expert indices and routing weights; an index of
+    ``num_experts`` is no expert (expert parallelism's mark for another rank's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_experts = E2
+        self.gate_up_proj = nn.Parameter(torch.randn(E2, 2 * I2, D) / 3)
+        self.down_proj = nn.Parameter(torch.randn(E2, D, I2) / 3)
+        self.scale = PerExpertScale()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            gate, up = F.linear(hidden_states[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * self.scale.weight[e]
+            out = out.index_add(0, token, y * top_k_weights[token, slot, None])
+        return out
+
+
 class Model(nn.Module):
+    config = SimpleNamespace(head_dim=4)  # what Hugging Face's unit styles read: the width of a head (`head_norm`'s)
+
     def __init__(self):
         super().__init__()
         self.emb = ScaledEmbedding(V, D, padding_idx=0)  # at tp=2, global row 6 is rank 1's local row 0
@@ -78,6 +115,8 @@ class Model(nn.Module):
         self.down = nn.Linear(H, D)
         self.router = nn.Linear(D, E, bias=False)
         self.experts = Experts()
+        self.router2 = nn.Linear(D, E2, bias=False)
+        self.routed = RoutedExperts()
         self.token_norm = nn.LayerNorm(D)  # runs on this rank's share of the sequence: sequence
         self.kv_a = nn.Linear(D, 6)  # [latent 4 | rope 2]: mla_kv_a
         self.kv_b = nn.Linear(4, H)
@@ -94,6 +133,8 @@ class Model(nn.Module):
         flat = x.reshape(-1, D)
         weights, index = torch.topk(self.router(flat).softmax(-1), 2)
         x = x + self.experts(flat, index, weights).view_as(x)
+        weights, index = torch.topk(self.router2(x.reshape(-1, D)).softmax(-1), 2)
+        x = x + self.routed(x.reshape(-1, D), index, weights).view_as(x)
         x = self.token_norm(x)
         latent, rope = self.kv_a(x).split([4, 2], dim=-1)
         kv = self.kv_b(latent) * (1 + rope.sum(-1, keepdim=True))  # rope enters the TP region directly
@@ -105,9 +146,11 @@ class Model(nn.Module):
 
 PLAN = {
     "emb": "vocab", "normed": "vocab", "wide": "embedding_dim",
-    "up": "column", "head_norm": "partial_grad", "down": "row",
+    # Hugging Face's unit styles: column and row split in whole heads, of the config's head_dim (4).
+    "up": "unit_colwise", "head_norm": "partial_grad", "down": "unit_rowwise",
     "experts": "partial_output", "experts.gate_up_proj": ("column", {"packed": 2}), "experts.down_proj": "row",
-    "experts.identity": "divide_input", "token_norm": "sequence",
+    "experts.identity": "divide_input", "routed": "experts", "routed.scale.weight": "by_expert",
+    "token_norm": "sequence",
     "kv_a": ("mla_kv_a", {"rope_dim": 2}), "kv_b": "column", "out": "row",
     "packed": ("column", {"packed": 2}), "packed_down": "row",
     "head": ("column", {"gather_output": True}),
@@ -149,3 +192,20 @@ def test_the_report_says_what_was_converted_and_how():
     converted, fraction = run_ranks(_report, 2)[0]
     assert converted["experts.gate_up_proj"] == "column (packed 2)" and converted["head"] == "column (gathered)"
     assert converted["token_norm"] == "sequence" and 0.5 < fraction < 1.0
+    assert converted["up"] == "column (units of 4)" and converted["down"] == "row (units of 4)"
+    assert converted["routed"] == "experts (whole experts per rank)" and converted["routed.scale.weight"] == "by_expert"
+
+
+@pytest.mark.parametrize("change, tp, message", [
+    # 24 features are 3 units of 8: no two ranks hold the same number of whole units.
+    ({"up": ("column", {"unit": 8})}, 2, r"'up': style 'column' splits its 24 out features in whole units of 8; "
+                                         r"3 units do not give each of 2 ranks the same number"),
+    ({"down": ("row", {"unit": 5})}, 2, r"'down': style 'row' splits its 24 in features in whole units of 5"),
+    ({"routed": "experts"}, 6, r"'routed': 5 experts cannot give each of 6 ranks one"),  # 6 heads: whole at tp=6
+    ({"routed": "partial_output"}, 2, r"'routed.scale.weight' is split by expert .* no module above it is converted "
+                                      r"as 'experts'"),
+    ({"routed.down_proj": ("column", {"unit": 2})}, 2, r"'routed.down_proj' is a parameter; only .* split"),
+])
+def test_splits_the_tp_size_does_not_allow_are_refused_with_what_and_why(change, tp, message):
+    with pytest.raises(ValueError, match=message):
+        plan_conversion(Model(), {**PLAN, **change}, tp)

@@ -9,7 +9,8 @@ in another order than a dense GEMM) differ by fp32 rounding only: sums of at mos
 values below ~10 in magnitude, so 1e-5 absolute and relative (~100 ulps) covers them. Against the
 float layer, each int8 weight is off by at most ``s_j / 2``, so output ``j`` by at most
 ``s_j / 2 * ||x||_1`` (plus that rounding). bf16 activations (the fused kernel) round the inputs
-and outputs to 8 bits of mantissa: 1% of the output's scale.
+and outputs to 8 bits of mantissa: 1% of the output's scale. A stand-in's ``to_dense`` is compared
+bit for bit: it gathers ``q * s`` (or the kept weights), elementwise, as the reference computes them.
 """
 import math
 
@@ -155,6 +156,107 @@ def test_int8_bad_input():
     layer = bd.quantize_int8(nn.Linear(8, 4))
     with pytest.raises(ValueError, match=r"Int8Linear\(in_features=8, out_features=4.*expected input of shape \(\*, 8\)"):
         layer(torch.randn(2, 5))
+
+
+# ---- a rank whose shard is empty (issue 34) ---------------------------------------------------------
+def reference_mask(w, sparsity):
+    """`bd.prune`'s unstructured rule on one layer: the round(sparsity * N) entries of smallest |w| go,
+    ties by flat index (a stable sort)."""
+    order = torch.sort(w.abs().flatten(), stable=True).indices
+    keep = torch.ones(w.numel(), dtype=torch.bool)
+    keep[order[:round(sparsity * w.numel())]] = False
+    return keep.reshape(w.shape)
+
+
+def _parallel_of(lin, kind):
+    """``lin`` as a row layer splitting its input here, or a column layer gathering its output. At
+    tp=3, RowParallelLinear(2, 5, input_is_parallel=False) splits its 2 input features 1/1/0 and
+    ColumnParallelLinear(2, 2, gather_output=True) its 2 output features 1/1/0."""
+    if kind == "row":
+        return bd.RowParallelLinear.from_dense(lin, input_is_parallel=False)
+    return bd.ColumnParallelLinear.from_dense(lin, gather_output=True)
+
+
+def _pruned(layer):
+    bd.prune(layer, 0.5)
+    return layer
+
+
+def _converted_by_to_sparse(layer):
+    report = bd.to_sparse(_pruned(layer), min_speedup=1e-9, sample_tokens=4, repeats=1)
+    assert [row["format"] for row in report.layers] == ["csr"], report.layers
+    return report.module
+
+
+STAND_INS = {"int8": bd.quantize_int8, "sparse": lambda layer: bd.SparseLinear(_pruned(layer)),
+             "to_sparse": _converted_by_to_sparse}
+
+
+def _empty_shard_ranks(kind):
+    bd.init_parallel(tp=3)
+    lin = _dense(5 if kind == "row" else 2, 2, seed=11)
+    got = {}
+    for name, make in STAND_INS.items():
+        layer = make(_parallel_of(lin, kind))
+        x = _x(4, 2).requires_grad_()
+        y = layer(x)
+        (y * _x(4, y.shape[-1], seed=8)).sum().backward()  # the input's gradient: the backward's collectives
+        got[name] = (type(layer).__name__, y.detach(), x.grad, layer.to_dense().state_dict())
+    layer = bd.quantize_int8(_parallel_of(_dense(lin.out_features, 2, seed=11, dtype=torch.bfloat16), kind))
+    got["int8-bf16"] = layer(_x(4, 2).bfloat16()).float()  # bf16: the empty shard's width, 0, is a multiple of 64
+    return got
+
+
+@pytest.mark.parametrize("kind", ["row", "column"])
+def test_stand_ins_with_an_empty_shard_equal_the_plain_product_tp3(kind):
+    # Before (row): rank 2, holding none of the 2 input features, raised in InferenceLinear._local
+    # ("cannot reshape tensor of 0 elements into shape [-1, 0]") while ranks 0 and 1 waited in the
+    # all-reduce until the deadline; bd.to_sparse took the same path. Column: no to_dense.
+    results = run_ranks(_empty_shard_ranks, 3, kind, timeout=120, collective_timeout=20)
+    lin = _dense(5 if kind == "row" else 2, 2, seed=11)
+    w, b = lin.weight.detach(), lin.bias.detach()
+    q, s = reference_int8(w)
+    effective = {"int8": q.float() * s[:, None], "sparse": w * reference_mask(w, 0.5)}
+    effective["to_sparse"] = effective["sparse"]
+    x, g = _x(4, 2), _x(4, w.shape[0], seed=8)
+    for rank, got in enumerate(results):
+        for name, weight in effective.items():
+            what = f"{kind} {name} rank {rank}"
+            layer_type, y, x_grad, dense = got[name]
+            assert layer_type == ("Int8Linear" if name == "int8" else "SparseLinear"), what
+            assert torch.equal(dense["weight"], weight) and torch.equal(dense["bias"], b), what
+            # fp32 sums of at most 2 products (and zeros from the empty shard) in another order: ~1 ulp.
+            torch.testing.assert_close(y, x @ weight.T + b, **FP32, msg=what)
+            torch.testing.assert_close(x_grad, g @ weight, **FP32, msg=what)
+        # bf16 inputs, weights and outputs: 8 bits of mantissa, 1% of the output's scale.
+        x16 = x.bfloat16().float()
+        q16, s16 = reference_int8(_dense(w.shape[0], 2, seed=11, dtype=torch.bfloat16).weight.detach())
+        expect = x16 @ (q16.float() * s16.float()[:, None]).T + b.bfloat16().float()
+        torch.testing.assert_close(got["int8-bf16"], expect, atol=1e-2 * expect.abs().max().item(), rtol=1e-2)
+
+
+def _load_dense_ranks():
+    bd.init_parallel(tp=2)
+    out = {}
+    for kind in ("row", "column"):
+        first, second = _dense(5, 3, seed=1), _dense(5, 3, seed=2)
+        for name, make in (("int8", bd.Int8Linear.from_dense), ("csr", bd.SparseLinear.from_dense)):
+            loaded = make(_parallel_of(first, kind)).load_dense_(second)
+            built = make(_parallel_of(second, kind))
+            out[kind, name] = (loaded.to_dense().state_dict(), built.to_dense().state_dict(),
+                               loaded(_x(4, 3)).detach(), built(_x(4, 3)).detach())
+        int8 = bd.Int8Linear.from_dense(_parallel_of(first, kind))
+        with pytest.raises(ValueError, match=r"Int8Linear\(in_features=3, out_features=5, tp=2, rank \d\): load_dense_ "
+                                             r"expects an nn.Linear or a full weight of shape \(5, 3\), got \(3, 5\)"):
+            int8.load_dense_(second.weight.T, second.bias)
+    return out
+
+
+def test_stand_ins_load_dense_rebuilds_them_as_from_dense_would():
+    for got in run_ranks(_load_dense_ranks, 2, timeout=120, collective_timeout=20):
+        for key, (loaded, built, y_loaded, y_built) in got.items():
+            assert loaded.keys() == built.keys() and all(torch.equal(loaded[k], built[k]) for k in loaded), key
+            assert torch.equal(y_loaded, y_built), key
 
 
 # ---- sparse --------------------------------------------------------------------------------------

@@ -151,3 +151,27 @@ def test_init_from_starts_training_from_that_checkpoints_weights(tmp_path, small
     assert before.keys() == after.keys()
     for name in before:
         torch.testing.assert_close(after[name], before[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_resume_at_another_layout_is_in_the_title_and_compress_scores_as_the_run_did(tmp_path, small):
+    # tp=2 x dp=1 for 2 steps, then tp=1 x dp=2 to step 4: each launch records its layout, the loss
+    # curve's title names both, and compress's loss "before" for the step-4 checkpoint is the one
+    # the run logged at step 4 (its held-out set is 2 batches per DP rank: 4 batches at dp=2).
+    from bigdense.compress import main as compress
+    from bigdense.train.metrics import loss_curve_figure
+
+    run_dir = tmp_path / "run"
+    for layout, steps in (([], 2), (["parallel.tp=1"], 4)):
+        code, out = run(torchrun(2, *small, *layout, f"trainer.max_steps={steps}", f"trainer.run_dir={run_dir}"))
+        assert code == 0, out
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"], r["layout"]) for r in lines if "layout" in r] == [
+        ("start", 0, {"tp": 2, "dp": 1}), ("resume", 2, {"tp": 1, "dp": 2})]
+    fig = loss_curve_figure(lines, title="run: gpt d=64 x 1 layers, fp32, ddp")
+    assert fig._suptitle.get_text().endswith("tp=2 x dp=1 (steps 0-2), tp=1 x dp=2 (steps 2-4)")
+    fig.clear()
+
+    assert compress([str(run_dir), "--rank", "8", "--out", str(tmp_path / "lowrank")]) == 0
+    report = json.loads((tmp_path / "lowrank" / "compress_report.json").read_text())
+    logged = records(run_dir, "eval")[-1]
+    assert logged["step"] == 4 and report["held_out_loss_before"] == pytest.approx(logged["eval_loss"], rel=1e-6)

@@ -2,6 +2,7 @@
 
     python -m bigdense.bench.gpu --json gpu.jsonl            # about 5 minutes on one H100/H200
     python -m bigdense.bench.gpu --quick --json gpu.jsonl    # gpt_small only, fewer steps
+    python -m bigdense.bench.gpu --peers [--profile]         # only the head against Liger, CCE, torch (bench/head_gpu.py)
 
 On a CUDA machine, for ``gpt_small`` (124M) and ``gpt_1b`` (a ~1B-parameter config that fits one
 device), in bf16 autocast with fp32 master weights, at tp = 1 and every TP size the GPUs allow
@@ -266,6 +267,11 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
     parser.add_argument("--budget-s", type=float, default=400.0, help="start no new measurement after this")
     parser.add_argument("--json", help="append one JSON object per result to this file")
+    parser.add_argument("--peers", action="store_true",
+                        help="only the fused linear + cross-entropy against torch, Liger and Cut Cross-Entropy "
+                             "(bench/head_gpu.py; the gpu-peers extra installs the peers)")
+    parser.add_argument("--profile", action="store_true", help="--peers: the top kernels of one bigdense call")
+    parser.add_argument("--head-iters", type=int, default=10, help="--peers: timed calls per contender")
     args = parser.parse_args(argv)
     args.steps = args.steps or (10 if args.quick else 20)
     started = time.time()
@@ -280,6 +286,11 @@ def main(argv=None) -> int:
         _emit(results, args)
         return 0
 
+    if args.peers:
+        from . import head_gpu
+
+        _emit(head_gpu.run(args.head_iters, args.profile), args)
+        return 0
     n_gpus = torch.cuda.device_count()
     print(f"bigdense.bench.gpu: {n_gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
           f"TP sizes up to {n_gpus}")

@@ -3,6 +3,8 @@
     python -m bigdense.bench.head                       # 1024 -> 131,072 classes, 4,096 tokens, fp32
     python -m bigdense.bench.head --classes 8192 --tokens 512 --iters 2 --warmup 1   # a quick smoke run
     python -m bigdense.bench.head --suite xc            # sampled / world / margin (bench/head_xc.py)
+    python -m bigdense.bench.head --gpu-proxy [--json F] # the GPU path's launches, bytes, peak (bench/head_proxy.py)
+    python -m bigdense.bench.head --grad-accuracy        # the GPU path in bf16 vs float64 (bench/head_grad_accuracy.py)
 
 Contenders, each in fresh processes (spawned, so each peak RSS is its own; ``--start-method fork``
 starts them faster for tests, their RSS then including this process's pages):
@@ -181,12 +183,27 @@ def main(argv=None) -> None:
         help=f"comma-separated, run in this order; any of {', '.join(CONTENDERS)}",
     )
     parser.add_argument("--json", help="append one JSON object per result to this file")
+    parser.add_argument("--gpu-proxy", action="store_true",
+                        help="trace the head's GPU path on the meta device at three LLM shapes (bench/head_proxy.py)")
+    parser.add_argument("--grad-accuracy", action="store_true",
+                        help="the GPU path's bf16 loss and gradients against float64 (bench/head_grad_accuracy.py); "
+                             "--classes sets the reduced class count (default 2048)")
+    parser.add_argument("--proxy-path", default="kernels", choices=("kernels", "off"),
+                        help="--gpu-proxy: the GPU loop (default) or the CPU-shaped loop it replaces")
     parser.add_argument("--start-method", default="spawn", choices=("spawn", "fork"),
                         help="how contender processes start: spawn (default) gives each its own peak RSS; fork starts "
                              "in milliseconds but its RSS includes pages of this process (for tests)")
     args = parser.parse_args(argv)
     if args.acc_classes < 3 or args.steps < 2:
         parser.error(f"--acc-classes must be at least 3 and --steps at least 2, got {args.acc_classes} and {args.steps}")
+    if args.gpu_proxy:
+        from . import head_proxy
+
+        return head_proxy.run(args.json, args.proxy_path)
+    if args.grad_accuracy:
+        from . import head_grad_accuracy
+
+        return head_grad_accuracy.run(args.classes or 2048, args.json)
     if args.suite != "tp":
         from . import head_xc
 

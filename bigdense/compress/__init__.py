@@ -18,9 +18,11 @@ compressed by one method, each in its module:
 Writes a checkpoint of the compressed model (``--out``, any TP size can load it) and
 ``compress_report.json`` there: per layer the parameters and FLOPs per token before/after, the
 relative error of its weight (over the shards), the forward time before/after; and the held-out
-loss before and after. The checkpoint's config records the structure it needs (``model.low_rank``,
-``model.d_hidden``, the ``compressed`` entry): `measure.load_reference_gpt` builds it, and a
-fine-tune with ``trainer.init_from=DIR`` takes ``model.low_rank`` and ``model.d_hidden`` from it.
+loss before and after, evaluated as the run evaluated (its windows at the checkpoint's layout:
+"before" is the loss the run logged at that step). The checkpoint's config records the structure it
+needs (``model.low_rank``, ``model.d_hidden``, the ``compressed`` entry): `measure.load_reference_gpt`
+builds it, and a fine-tune with ``trainer.init_from=DIR`` takes ``model.low_rank`` and
+``model.d_hidden`` from it. The command that runs that fine-tune is printed last (`fine_tune`).
 """
 from .cli import format_report, main, parse, run
 from .lowrank import compress_model, relative_error

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
 from ..compression.pruning import STRUCTURES
 from . import int8 as int8_method, lowrank as lowrank_method, prune as prune_method
+from .fine_tune import fine_tune_command
 from .measure import DENSE, held_out_loss, load_reference_gpt
 
 DESCRIPTION = "Compress a trained checkpoint's dense layers: low-rank factors, pruning, or int8 weights."
@@ -80,7 +82,7 @@ def _fine_tune(kind: str, args, out) -> list[str]:
 def run(args) -> dict:
     """Load, evaluate, compress, evaluate, save; returns the report (every rank)."""
     from .. import init_parallel, save_checkpoint
-    from ..checkpoint.format import resolve_checkpoint
+    from ..checkpoint.format import read_manifest, resolve_checkpoint
     from ..jobs.setup import launcher_world
 
     source = resolve_checkpoint(args.checkpoint)
@@ -88,14 +90,17 @@ def run(args) -> dict:
     ctx = init_parallel(tp=launcher_world()[1])
     model, cfg, step = load_reference_gpt(source, ctx)
     n_eval = cfg.trainer.eval_batches if args.eval_batches is None else args.eval_batches
+    # The windows the run evaluated, whose number depends on its DP size: "before" is then the
+    # held-out loss the run logged at this checkpoint's step.
+    run_dp = (read_manifest(source).get("layout") or {}).get("dp")
     tokens = int(cfg.data.micro_batch_size) * int(cfg.data.seq_len)
-    loss_before = held_out_loss(model, cfg, ctx, n_eval) if n_eval else None
+    loss_before = held_out_loss(model, cfg, ctx, n_eval, run_dp) if n_eval else None
     patterns = [p.strip() for p in args.layers.split(",") if p.strip()]
     rows, entries = _compress(args, model, cfg, patterns, tokens)
     if not rows:
         names = [n for n, m in model.named_modules() if isinstance(m, DENSE)][:6]
         raise ValueError(f"bigdense.compress: --layers {args.layers!r} matches no dense layer (names look like {names})")
-    loss_after = held_out_loss(model, cfg, ctx, n_eval) if n_eval else None
+    loss_after = held_out_loss(model, cfg, ctx, n_eval, run_dp) if n_eval else None
     save_checkpoint(out, model, step=step, config=cfg, update_latest=False)
     kind = method(args)
     if kind == "prune" and args.structure != "rows":
@@ -105,6 +110,8 @@ def run(args) -> dict:
               "layers": rows, "held_out_loss_before": loss_before, "held_out_loss_after": loss_after,
               "params_before": sum(r["params_before"] for r in rows), "params_after": sum(r["params_after"] for r in rows),
               **entries, "fine_tune_overrides": _fine_tune(kind, args, out)}
+    fine_tunes = bool(report["fine_tune_overrides"])
+    report["fine_tune_command"] = fine_tune_command(source, out, ctx.world_size) if fine_tunes else None
     if ctx.is_main:
         (Path(out) / "compress_report.json").write_text(json.dumps(report, indent=2))
     return report
@@ -121,9 +128,10 @@ def format_report(report: dict) -> str:
     if report["held_out_loss_before"] is not None:
         lines.append(f"held-out loss: {report['held_out_loss_before']:.4f} -> {report['held_out_loss_after']:.4f}")
     lines.append(f"written: {report['out']}")
-    if report["fine_tune_overrides"]:
-        lines.append("fine-tune with: torchrun launch/train.py " + " ".join(report["fine_tune_overrides"])
-                     + " (it takes the compressed structure from there)")
+    if report["fine_tune_command"]:  # on a line of its own, to be copied as it is
+        lines.append("fine-tune it (the run takes the compressed structure from the checkpoint), from the repository "
+                     "root:")
+        lines.append("  " + shlex.join(report["fine_tune_command"]))
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ checkpoint (built in the structure the checkpoint was compressed to) and its hel
 from __future__ import annotations
 
 import fnmatch
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -69,20 +70,26 @@ def counts(in_f: int, out_f: int, weights_after: int, bias: bool) -> dict:
             "flops_per_token_before": 2 * in_f * out_f, "flops_per_token_after": 2 * weights_after}
 
 
-def held_out_loss(model, cfg, ctx, n_batches: int) -> float:
-    """Mean held-out loss of the reference GPT on the run's own validation batches (DP-averaged)."""
+def held_out_loss(model, cfg, ctx, n_batches: int, run_dp: Optional[int] = None) -> float:
+    """Mean held-out loss of the reference GPT on the run's own held-out windows, computed as the
+    run computed it (`bigdense.jobs.evaluate.held_out_loss`: eval mode, the run's precision, the
+    windows of ``n_batches`` per DP rank of a run with ``run_dp`` DP ranks, by default this mesh's).
+    With the checkpoint's own DP size it is the loss the run logged at the checkpoint's step, up to
+    the order of the sums."""
     from ..data import prepare_data
+    from ..jobs.evaluate import held_out_loss as run_held_out_loss
     from ..train.precision import autocast
+
+    def eval_loss(x, y) -> float:  # as `Engine.eval_loss`, on the model without an engine
+        with torch.no_grad(), autocast(cfg.precision.dtype, ctx.device):
+            loss = model(x.to(ctx.device), y.to(ctx.device)).detach().float()
+        if ctx.dp_size > 1:
+            loss = comm.all_reduce_(loss, ctx.dp_group) / ctx.dp_size
+        return float(loss)
 
     data = prepare_data(cfg.data, ctx, seed=cfg.trainer.seed)
     model.eval()
-    losses = []
-    with torch.no_grad(), autocast(cfg.precision.dtype, ctx.device):
-        for x, y in data.val_batches(n_batches, ctx.dp_rank, ctx.dp_size):
-            losses.append(float(model(x.to(ctx.device), y.to(ctx.device))))
-    loss = torch.tensor(sum(losses) / len(losses), dtype=torch.float64)
-    comm.all_reduce_(loss, ctx.dp_group)
-    return float(loss) / ctx.dp_size
+    return run_held_out_loss(eval_loss, data, ctx, n_batches, run_dp)
 
 
 def apply_compressed_structure(model: nn.Module, compressed: dict) -> None:

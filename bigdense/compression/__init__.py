@@ -15,11 +15,11 @@ they are sharded and keeps their promises: the same numbers on every layout, no 
 
 ``python -m bigdense.compress`` applies them to a checkpoint.
 """
-from .lowrank import low_rank, low_rank_like
+from .lowrank import LowRankPair, low_rank, low_rank_like
 from .prune_masks import apply_masks
 from .pruning import PruneReport, attach_masks, prune
 from .quant import Int8Linear, quantize_int8
 from .sparse import SparseLinear, SparseReport, to_sparse
 
-__all__ = ["low_rank", "low_rank_like", "prune", "PruneReport", "attach_masks", "apply_masks", "Int8Linear",
+__all__ = ["low_rank", "low_rank_like", "LowRankPair", "prune", "PruneReport", "attach_masks", "apply_masks", "Int8Linear",
            "quantize_int8", "SparseLinear", "SparseReport", "to_sparse"]

@@ -1,5 +1,5 @@
 """Inference-only stand-ins for a dense layer: its interface and communication around another local
-product (a sparse weight, `bigdense.layers.sparse`; an int8 weight, `bigdense.layers.quant`).
+product (a sparse weight, `bigdense.compression.sparse`; an int8 weight, `bigdense.compression.quant`).
 
 A stand-in is built from an ``nn.Linear``, `ColumnParallelLinear` or `RowParallelLinear` (sharded or
 not, balanced or uneven) and communicates exactly as that layer does, through the same regions of
@@ -12,16 +12,25 @@ not, balanced or uneven) and communicates exactly as that layer does, through th
   the bias added once;
 * ``nn.Linear``: no communication.
 
-Only the product of this rank's weight shard with its input changes (``_product``). A stand-in holds
-no parameters: its tensors are buffers (nothing to train), and gradients reach the input at most.
+Only the product of this rank's weight shard with its input changes (``_product``). A rank whose
+shard is empty -- an uneven split of fewer features than ranks leaves it no input (row) or output
+(column) feature -- multiplies by nothing: its product is zeros of the right shape, computed here
+for every stand-in (``_local``), never by a subclass's kernel, and it still takes part in every
+collective of the layer, forward and backward, as the float layer's empty shard does.
+
+A stand-in holds no parameters: its tensors are buffers (nothing to train), and gradients reach the
+input at most. Like the float layers it has ``from_dense`` (its construction from a dense layer),
+``to_dense`` (the ``nn.Linear`` it computes: dequantised, or its kept weights) and ``load_dense_``.
 """
 from __future__ import annotations
 
 import fnmatch
-from typing import Optional
+import math
+from typing import Mapping, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..parallel import comm
 from ..parallel.regions import (
@@ -82,8 +91,11 @@ def matching_layers(module: nn.Module, patterns: Optional[list[str]], want) -> l
 
 
 class InferenceLinear(TensorParallelModule):
-    """Base of the stand-ins (see the module docstring). Subclasses register their weight and
-    implement ``_product(x2d)``: ``x W_local^T`` for this rank's weight, in ``x``'s dtype."""
+    """Base of the stand-ins (see the module docstring). A subclass stores this rank's weight shard in
+    its own form (``_store_weight``, from its dense ``(out_local, in_local)`` values; called by its
+    ``__init__`` and by `load_dense_`), multiplies by it (``_product(x2d)``: ``x W_local^T`` in
+    ``x``'s dtype, only ever for a shard that `holds_weight`) and gives its values back densely
+    (``_dense_weight``)."""
 
     def __init__(self, layer: nn.Module, who: str):
         super().__init__()
@@ -126,12 +138,74 @@ class InferenceLinear(TensorParallelModule):
         if self.kind == "column":
             self._declare_shard(name, (self.out_features,), 0)
 
+    @property
+    def holds_weight(self) -> bool:
+        """Whether this rank's shard has any weight: not when an uneven split leaves it no input (row)
+        or output (column) feature. Its product is then zeros (`_local`), whatever the subclass."""
+        return self.local_in_features > 0 and self.local_out_features > 0
+
+    def _store_weight(self, weight: torch.Tensor) -> None:
+        """Register this rank's ``(out_local, in_local)`` weight (dense, masked) in the subclass's form."""
+        raise NotImplementedError
+
     def _product(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _dense_weight(self) -> torch.Tensor:
+        """This rank's ``(out_local, in_local)`` weight as the product uses it, dense."""
         raise NotImplementedError
 
     def _reference_tensor(self) -> torch.Tensor:
         """A floating-point buffer whose device and dtype the input must have."""
         raise NotImplementedError
+
+    # ---- to and from a dense layer (the float layers' trio, `bigdense.layers.base`) ----
+    @classmethod
+    def from_dense(cls, layer: nn.Module, **options) -> "InferenceLinear":
+        """The stand-in of ``layer`` (``nn.Linear``, column or row; its mask applied), in its
+        train/eval mode: the constructor, with its ``options``."""
+        return cls(layer, **options).train(layer.training)
+
+    @torch.no_grad()
+    def to_dense(self) -> nn.Linear:
+        """The ``nn.Linear`` this stand-in computes (its dequantised or kept weights, and the bias),
+        whole on every rank: a collective when sharded, like the float layers' ``to_dense``."""
+        local = self._dense_weight()
+        if self.kind == "linear":
+            weight = local
+        else:
+            dim = 0 if self.kind == "column" else 1
+            weight = comm.all_gather_dim(local.contiguous(), dim, self.tp_group, self.partition_sizes)
+        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=local.device,
+                          dtype=local.dtype)
+        dense.weight.copy_(weight)
+        if self.bias is not None:
+            dense.bias.copy_(self.gather_param("bias"))
+        return dense.train(self.training)
+
+    @torch.no_grad()
+    def load_dense_(self, weight, bias: Optional[torch.Tensor] = None) -> "InferenceLinear":
+        """Rebuild this stand-in from a plain ``nn.Linear`` (or its state dict, or its full ``(out_features,
+        in_features)`` weight and its bias): this rank's slice stored as at construction (a row
+        layer's int8 scales are then a collective), the bias copied. Returns the stand-in."""
+        if isinstance(weight, nn.Linear):
+            weight = weight.state_dict()
+        if isinstance(weight, Mapping):
+            weight, bias = weight.get("weight"), weight.get("bias")
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (self.out_features, self.in_features):
+            got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise ValueError(f"{self._where()}: load_dense_ expects an nn.Linear or a full weight of shape "
+                             f"{(self.out_features, self.in_features)}, got {got}")
+        if (bias is None) != (self.bias is None):
+            raise ValueError(f"{self._where()}: load_dense_: bias is {'missing' if bias is None else 'unexpected'}")
+        ref = self._reference_tensor()
+        if self.kind != "linear":
+            weight = weight.narrow(0 if self.kind == "column" else 1, self.partition_start, self.partition_size)
+        self._store_weight(weight.detach().to(device=ref.device, dtype=ref.dtype))
+        if bias is not None:
+            spec = self.shard_spec("bias")
+            self.bias.copy_(bias if spec is None else spec.slice_of(bias))
+        return self
 
     # ---- the layer's interface ----
     def _describe_shape(self) -> str:
@@ -176,6 +250,15 @@ class InferenceLinear(TensorParallelModule):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
-        """``_product`` of ``x`` (*, in_local) as a matrix, reshaped back to (*, out_local)."""
-        flat = x.reshape(-1, x.shape[-1])
-        return self._product(flat).reshape(*x.shape[:-1], self.local_out_features)
+        """This rank's product of ``x`` (*, in_local) as a matrix, reshaped back to (*, out_local)."""
+        # The rows counted, not -1: an input with no feature on this rank has 0 elements, and -1 is
+        # then ambiguous.
+        flat = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+        y = self._product(flat) if self.holds_weight else self._empty_product(flat)
+        return y.reshape(*x.shape[:-1], self.local_out_features)
+
+    def _empty_product(self, flat: torch.Tensor) -> torch.Tensor:
+        """The product with an empty shard: zeros, (rows, out_local). Through a weight of 0 elements,
+        so that the output depends on the input as on a peer (the backward's collectives of the
+        input's region run on this rank too); the subclasses' kernels are never asked for it."""
+        return F.linear(flat, flat.new_zeros(self.local_out_features, flat.shape[-1]))

@@ -58,24 +58,24 @@ def quantize_rows(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 class Int8Linear(InferenceLinear):
     """A dense layer with int8 weights for inference (see the module docstring): the layer's interface,
-    shapes and communication (`bigdense.layers.inference`). Buffers: ``weight`` (int8, this rank's
+    shapes and communication (`bigdense.compression.inference`). Buffers: ``weight`` (int8, this rank's
     ``(out_local, in_local)``), ``weight_scale`` (the layer's dtype, this rank's output features),
-    ``bias``. Building one from a row-parallel layer is a collective (the row maxima)."""
+    ``bias``. Building one from a row-parallel layer is a collective (the row maxima), as is its
+    `load_dense_`; `to_dense` gives the dequantised layer."""
 
     def __init__(self, layer: nn.Module):
         super().__init__(layer, "Int8Linear")
-        weight = masked_weight(layer)
+        self._store_weight(masked_weight(layer))
+
+    def _store_weight(self, weight: torch.Tensor) -> None:
         if not weight.is_floating_point():
             raise TypeError(f"Int8Linear: expected a floating-point weight, got {weight.dtype}")
+        # Every rank of a row layer takes part, an empty shard too (its maxima are zeros).
         scale = per_row_scales(weight, self.tp_group, self.kind == "row", weight.dtype)
         self.register_buffer("weight", quantize_rows(weight, scale))
         self.register_buffer("weight_scale", scale)
         self._declare_weight_like("weight")
         self._declare_per_output("weight_scale")
-
-    @classmethod
-    def from_dense(cls, layer: nn.Module) -> "Int8Linear":
-        return cls(layer)
 
     def _reference_tensor(self) -> torch.Tensor:
         return self.weight_scale
@@ -83,6 +83,9 @@ class Int8Linear(InferenceLinear):
     def dequantized_weight(self) -> torch.Tensor:
         """This rank's ``q * scale``, ``(out_local, in_local)``, in the scales' dtype."""
         return self.weight.to(self.weight_scale.dtype) * self.weight_scale[:, None]
+
+    def _dense_weight(self) -> torch.Tensor:
+        return self.dequantized_weight()
 
     def _fused(self, x: torch.Tensor) -> bool:
         return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] > 0

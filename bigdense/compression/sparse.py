@@ -6,7 +6,7 @@
 
 A pruned layer (`bd.prune`: a ``weight_mask`` buffer, its pruned weights zero) holds the same
 products as a sparse matrix. `SparseLinear` keeps the layer's interface and communication
-(`bigdense.layers.inference`) and multiplies this rank's shard in one of `FORMATS`:
+(`bigdense.compression.inference`) and multiplies this rank's shard in one of `FORMATS`:
 
 * ``"csr"``: compressed sparse rows (``torch.sparse``), computed as ``(W x^T)^T`` with
   ``torch.sparse.mm``, on any device. (On CPU that form measured 1.2-2.9x faster than
@@ -15,6 +15,12 @@ products as a sparse matrix. `SparseLinear` keeps the layer's interface and comm
 * ``"semi_structured"``: 2:4 sparsity (two nonzeros in each group of four inputs, `bd.prune`'s
   ``structure="n:m"``) in the GPUs' sparse tensor cores (``torch.sparse.to_sparse_semi_structured``;
   CUDA, compute capability 8.0 or later, half precision). Elsewhere it is refused with the reason.
+  Whether a shard can be 2:4 depends on the shard (whole groups of four inputs, its pattern, torch's
+  size limits), so the ranks of a sharded layer agree first (one tiny all-reduce): when any rank's
+  shard is refused, every rank raises, naming the ranks refused.
+
+A rank whose shard is empty (an uneven split of fewer features than ranks) keeps it as it is, in
+either format: `InferenceLinear` computes its zeros and never multiplies by it.
 
 Sparse products sum the same nonzero terms as the masked dense product, in another order: outputs
 agree to float rounding, not bit for bit. A sparse layer's weight is not saved (``state_dict``
@@ -50,7 +56,8 @@ SEMI_STRUCTURED_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def semi_structured_refusal(weight: torch.Tensor) -> Optional[str]:
-    """Why ``weight`` (out, in) cannot be 2:4 semi-structured here; None when it can be tried."""
+    """Why ``weight`` (out, in) cannot be 2:4 semi-structured here; None when it can be tried (an
+    empty shard: when the device and dtype could be, as there is nothing to convert)."""
     if not hasattr(torch.sparse, "to_sparse_semi_structured"):
         return "this torch has no torch.sparse.to_sparse_semi_structured"
     if weight.device.type != "cuda":
@@ -60,33 +67,65 @@ def semi_structured_refusal(weight: torch.Tensor) -> Optional[str]:
                f"{torch.cuda.get_device_capability(weight.device)}"
     if weight.dtype not in SEMI_STRUCTURED_DTYPES:
         return f"2:4 sparse kernels take {SEMI_STRUCTURED_DTYPES}, the weight is {weight.dtype}"
+    if weight.numel() == 0:
+        return None
     if weight.shape[1] % 4:
         return f"this rank's {weight.shape[1]} inputs are not whole groups of 4"
-    if bool(((weight.reshape(weight.shape[0], -1, 4) != 0).sum(-1) > 2).any()):
+    if bool(((weight.reshape(weight.shape[0], weight.shape[1] // 4, 4) != 0).sum(-1) > 2).any()):
         return "the weight is not 2:4 sparse along its inputs (prune it with structure='n:m')"
     return None
+
+
+def _converted(weight: torch.Tensor, format: str) -> tuple[Optional[torch.Tensor], Optional[str]]:
+    """(``weight`` in ``format``, None), or (None, why torch refused it)."""
+    try:
+        if format == "semi_structured":
+            return torch.sparse.to_sparse_semi_structured(weight.contiguous()), None
+        with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state", at every conversion
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support")
+            return weight.to_sparse_csr(), None
+    except (RuntimeError, ValueError) as err:
+        return None, f"torch refused this rank's {tuple(weight.shape)} shard: {str(err).splitlines()[0][:200]}"
 
 
 class SparseLinear(InferenceLinear):
     """A pruned dense layer whose local product is sparse (see the module docstring): the layer's
     interface, shapes and communication. ``weight``: this rank's masked ``(out_local, in_local)``
-    weight in ``format`` (not saved); ``density``: its fraction of nonzeros on this rank."""
+    weight in ``format`` (not saved); ``density``: its fraction of nonzeros on this rank. `to_dense`
+    gives the layer of its kept weights. Building a ``"semi_structured"`` one of a sharded layer
+    is a collective (the ranks agree that each can hold its shard)."""
 
     def __init__(self, layer: nn.Module, format: str = "csr"):
         super().__init__(layer, "SparseLinear")
         self.format = check_choice("SparseLinear: format", format, FORMATS, ValueError)
-        weight = masked_weight(layer)
+        self._store_weight(masked_weight(layer))
+
+    def _store_weight(self, weight: torch.Tensor) -> None:
+        refusal = semi_structured_refusal(weight) if self.format == "semi_structured" else None
+        stored = weight  # an empty shard stays as it is: `InferenceLinear` never multiplies by it
+        if refusal is None and self.holds_weight:
+            stored, refusal = _converted(weight, self.format)
+        if self.format == "semi_structured":
+            self._agree_on_format(refusal, weight.device)
+        elif refusal is not None:  # (CSR takes any shard: only torch itself could refuse one)
+            raise ValueError(f"SparseLinear(format={self.format!r}) of {self._where()}: {refusal}")
         self.density = float((weight != 0).sum()) / max(1, weight.numel())
-        if format == "semi_structured":
-            refusal = semi_structured_refusal(weight)
-            if refusal is not None:
-                raise ValueError(f"SparseLinear(format='semi_structured') of {self._where()}: {refusal}")
-            sparse = torch.sparse.to_sparse_semi_structured(weight.contiguous())
-        else:
-            with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state", at every conversion
-                warnings.filterwarnings("ignore", message="Sparse CSR tensor support")
-                sparse = weight.to_sparse_csr()
-        self.register_buffer("weight", sparse, persistent=False)
+        self.register_buffer("weight", stored, persistent=False)
+
+    def _agree_on_format(self, refusal: Optional[str], device: torch.device) -> None:
+        """Raise on every rank of the TP group when any rank's shard is refused in this format."""
+        refused = torch.zeros(self.tp_size, device=device)
+        refused[self.tp_rank] = float(refusal is not None)
+        if self.kind != "linear":
+            comm.all_reduce_(refused, self.tp_group, op=dist.ReduceOp.MAX)
+        ranks = refused.nonzero().flatten().tolist()
+        if not ranks:
+            return
+        who = f"SparseLinear(format={self.format!r}) of {self._where()}"
+        if self.kind == "linear" or self.tp_size == 1:
+            raise ValueError(f"{who}: {refusal}")
+        mine = f"this rank: {refusal}" if refusal else "this rank's shard could be converted"
+        raise ValueError(f"{who}: refused on TP rank(s) {ranks} ({mine})")
 
     def _reference_tensor(self) -> torch.Tensor:
         return self.weight
@@ -95,6 +134,9 @@ class SparseLinear(InferenceLinear):
         if self.format == "semi_structured":
             return F.linear(x, self.weight)
         return torch.sparse.mm(self.weight, x.t()).t()
+
+    def _dense_weight(self) -> torch.Tensor:
+        return self.weight.to_dense()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, format={self.format!r}, density on this rank={self.density:.3f}"
@@ -140,7 +182,7 @@ def _local_times(layer: nn.Module, weight: torch.Tensor, formats, x: torch.Tenso
     for fmt in formats:
         try:
             built[fmt] = SparseLinear(layer, fmt)
-            times.append(median_ms(built[fmt]._product, x, repeats))
+            times.append(median_ms(built[fmt]._local, x, repeats))  # (the shared path: an empty shard too)
         except (RuntimeError, ValueError, NotImplementedError, TypeError) as err:
             refused[fmt] = str(err).splitlines()[0][:200]
             built.pop(fmt, None)

@@ -70,7 +70,9 @@ class ParallelConfig:
 class PrecisionConfig:
     """Compute dtype. Parameters, gradients and optimizer state stay fp32 (the master weights)."""
 
-    dtype: str = "fp32"  # "fp32", "bf16" or "fp16"
+    # "fp32", "bf16" or "fp16". On a CPU, bf16 (fp16) is fast only with native matmuls (AVX512-BF16 or AMX;
+    # AVX512-FP16 or AMX-FP16); elsewhere torch emulates them, several times slower than fp32 (the log warns).
+    dtype: str = "fp32"
     init_scale: float = 65536.0  # fp16 only: dynamic loss scaling
     growth_interval: int = 1000  # fp16: steps without overflow before the scale doubles
     min_scale: float = 1.0

@@ -52,11 +52,6 @@ class StepLoop:
         """Whether this launch has steps to train (a resume at ``max_steps`` has none)."""
         return self.start_step < self.tr.max_steps
 
-    @property
-    def resumed(self) -> bool:
-        """Whether this launch continues a run from one of its checkpoints."""
-        return 0 < self.start_step < self.tr.max_steps
-
     def __iter__(self):
         tr = self.tr
         while self.step < tr.max_steps:

@@ -9,8 +9,6 @@ weight's last dim, row its first. Built by `bigdense.parallelize` from a ``Conv1
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn as nn
 
@@ -47,35 +45,20 @@ class _Conv1DLayout:
         else:
             super().reset_parameters()
 
-    @torch.no_grad()
-    def load_dense_(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
-        """Copy this rank's slice of a full Conv1D weight ``(in_features, out_features)`` (and bias)."""
-        if tuple(weight.shape) != (self.in_features, self.out_features):
-            raise ValueError(f"{self._where()}: full Conv1D weight must have shape "
-                             f"{(self.in_features, self.out_features)}, got {tuple(weight.shape)}")
-        self.weight.copy_(self.shard_spec("weight").slice_of(weight))
-        self._load_dense_bias_(bias)
-
-    @torch.no_grad()
-    def to_dense(self) -> nn.Linear:
-        """An ``nn.Linear`` computing the same (its weight is the transpose), on every rank (a collective)."""
-        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
-                          device=self.weight.device, dtype=self.weight.dtype)
-        dense.weight.copy_(self.gather_param("weight").t())
-        if self.bias is not None:
-            dense.bias.copy_(self.gather_param("bias"))
-        return dense
+    # The plain twin is an nn.Linear (transformers' Conv1D is not torch's): `to_dense` transposes the
+    # weight into it; `from_dense` and `load_dense_` take a Conv1D and its (in, out) layout.
+    @classmethod
+    def _check_dense(cls, conv1d, method: str) -> None:
+        if not is_conv1d(conv1d):
+            raise TypeError(f"{cls.__name__}.{method}: expected a transformers Conv1D, got {type(conv1d).__name__}")
 
     @classmethod
-    def from_dense(cls, conv1d: nn.Module, **kwargs):
-        """This rank's slice of a ``Conv1D`` (same device and dtype); ``kwargs`` as for the parent."""
-        if not is_conv1d(conv1d):
-            raise TypeError(f"{cls.__name__}.from_dense: expected a transformers Conv1D, got {type(conv1d).__name__}")
-        layer = cls(conv1d.nx, conv1d.nf, bias=conv1d.bias is not None, device="meta", dtype=conv1d.weight.dtype,
-                    **kwargs)
-        layer.to_empty(device=conv1d.weight.device)
-        layer.load_dense_(conv1d.weight, conv1d.bias)
-        return layer
+    def _dense_features(cls, conv1d: nn.Module) -> tuple[int, int]:
+        return conv1d.nx, conv1d.nf
+
+    def _full_tensor(self, name: str) -> torch.Tensor:
+        full = super()._full_tensor(name)
+        return full.t().contiguous() if name == "weight" else full
 
 
 class ColumnParallelConv1D(_Conv1DLayout, ColumnParallelLinear):

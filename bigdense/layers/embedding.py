@@ -11,7 +11,7 @@ from ..host_checks import checks_enabled
 from ..parallel.regions import reduce_from_tp, reduce_scatter_to_sequence
 from ..parallel.sharding import shard_range, shard_sizes
 from ..errors import check_positive_int
-from .base import TensorParallelModule, check_from_dense
+from .base import TensorParallelModule, refuse_options
 from .init import InitSpec, resolve_init
 
 
@@ -138,20 +138,16 @@ class VocabParallelEmbedding(TensorParallelModule):
             return reduce_scatter_to_sequence(partial, self.tp_group)
         return reduce_from_tp(partial, self.tp_group)
 
-    @torch.no_grad()
-    def to_dense(self) -> nn.Embedding:
-        """An ``nn.Embedding`` with the full table, on every rank (a collective)."""
-        dense = nn.Embedding(
-            self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx,
-            device=self.weight.device, dtype=self.weight.dtype,
-        )
-        dense.weight.copy_(self.gather_param("weight"))
-        return dense
+    # ---- the plain twin (`DenseTwin`): an nn.Embedding ----
+    _dense_kind = nn.Embedding
+
+    def _dense_twin(self) -> nn.Embedding:
+        return nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx, device="meta",
+                            dtype=self.weight.dtype)
 
     @classmethod
-    def from_dense(cls, embedding: nn.Embedding, **kwargs) -> "VocabParallelEmbedding":
-        """This rank's rows of ``embedding`` (same device, dtype and padding_idx); ``kwargs``: ``tp_group``."""
-        check_from_dense(cls, embedding, nn.Embedding, kwargs, ("padding_idx", "device", "dtype", "init"))
+    def _empty_from_dense(cls, embedding: nn.Embedding, **options) -> "VocabParallelEmbedding":
+        refuse_options(cls, options, ("padding_idx", "device", "dtype", "init"), "nn.Embedding")
         unsupported = {
             "max_norm": embedding.max_norm is not None,
             "scale_grad_by_freq": embedding.scale_grad_by_freq,
@@ -163,18 +159,6 @@ class VocabParallelEmbedding(TensorParallelModule):
             )
         layer = cls(
             embedding.num_embeddings, embedding.embedding_dim, padding_idx=embedding.padding_idx,
-            device="meta", dtype=embedding.weight.dtype, **kwargs,
+            device="meta", dtype=embedding.weight.dtype, **options,
         )
-        layer.to_empty(device=embedding.weight.device)
-        layer.load_dense_(embedding.weight)
-        return layer
-
-    @torch.no_grad()
-    def load_dense_(self, weight: torch.Tensor) -> None:
-        """Copy this rank's rows of a full ``(num_embeddings, embedding_dim)`` table in place."""
-        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(
-                f"{self._where()}: full table must have shape {(self.num_embeddings, self.embedding_dim)}, "
-                f"got {tuple(weight.shape)}"
-            )
-        self.weight.copy_(self.shard_spec("weight").slice_of(weight))
+        return layer.to_empty(device=embedding.weight.device)

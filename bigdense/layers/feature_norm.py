@@ -30,7 +30,7 @@ from ..host_checks import checks_enabled
 from ..parallel import comm
 from ..parallel.context import get_default_context, resolve_tp_group
 from ..parallel.sharding import shard_range, shard_sizes
-from .base import TensorParallelModule
+from .base import TensorParallelModule, device_dtype_of
 
 PER_FEATURE_NORMS = (nn.BatchNorm1d, nn.SyncBatchNorm)  # exactly these classes: `ShardedBatchNorm1d` replaces them
 NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm)
@@ -132,56 +132,30 @@ class ShardedBatchNorm1d(TensorParallelModule, nn.BatchNorm1d):
         running = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
         return synced_batch_norm(x, self.weight, self.bias, *running, factor, self.eps, self.dp_group)
 
-    @torch.no_grad()
-    def to_dense(self) -> nn.BatchNorm1d:
-        """An ``nn.BatchNorm1d`` with the full weight, bias and running statistics, on every rank
-        (a collective), in this module's train/eval mode."""
-        like = next((t for t in (self.weight, self.running_mean) if t is not None), None)
+    # ---- the plain twin (`DenseTwin`): an nn.BatchNorm1d, running statistics and counter included ----
+    def _dense_twin(self) -> nn.BatchNorm1d:
         no_bias = {"bias": False} if self.affine and self.bias is None else {}
-        dense = nn.BatchNorm1d(self.num_features, self.eps, self.momentum, self.affine, self.track_running_stats,
-                               device=None if like is None else like.device, dtype=None if like is None else like.dtype,
-                               **no_bias)
-        for name in _SHARDED:
-            if getattr(self, name) is not None:
-                getattr(dense, name).copy_(self.gather_param(name))
-        if self.num_batches_tracked is not None:
-            dense.num_batches_tracked.copy_(self.num_batches_tracked)
-        _copy_requires_grad(self, dense)
-        return dense.train(self.training)
+        return nn.BatchNorm1d(self.num_features, self.eps, self.momentum, self.affine, self.track_running_stats,
+                              device="meta", **no_bias)
 
     @classmethod
-    def from_dense(cls, norm: nn.Module, *, sync_dp: Optional[bool] = None, dp_group=None, tp_group=None):
-        """This rank's slice of an ``nn.BatchNorm1d`` or ``nn.SyncBatchNorm`` (same device, dtype,
-        options, train/eval mode and ``requires_grad``). ``sync_dp`` defaults to whether ``norm``
-        is an ``nn.SyncBatchNorm``, whose ``process_group`` (if set) is the default ``dp_group``."""
+    def _check_dense(cls, norm, method: str) -> None:
         if type(norm) not in PER_FEATURE_NORMS:
             is_norm = isinstance(norm, nn.modules.batchnorm._NormBase)
             why = f": {per_feature_refusal(norm, norm.num_features)}" if is_norm else ""
-            raise TypeError(f"{cls.__name__}.from_dense: expected an nn.BatchNorm1d or nn.SyncBatchNorm, got "
+            raise TypeError(f"{cls.__name__}.{method}: expected an nn.BatchNorm1d or nn.SyncBatchNorm, got "
                             f"{type(norm).__name__}{why}")
+
+    @classmethod
+    def _empty_from_dense(cls, norm: nn.Module, *, sync_dp: Optional[bool] = None, dp_group=None, tp_group=None):
+        """``sync_dp`` defaults to whether ``norm`` is an ``nn.SyncBatchNorm``, whose ``process_group``
+        (if set) is the default ``dp_group``."""
         synced = isinstance(norm, nn.SyncBatchNorm) if sync_dp is None else sync_dp
         if synced and dp_group is None and isinstance(norm, nn.SyncBatchNorm):
             dp_group = norm.process_group
-        like = next((t for t in (norm.weight, norm.running_mean) if t is not None), None)
-        layer = cls(norm.num_features, norm.eps, norm.momentum, norm.affine, norm.track_running_stats,
-                    bias=not norm.affine or norm.bias is not None,
-                    sync_dp=synced, dp_group=dp_group, tp_group=tp_group,
-                    device=None if like is None else like.device, dtype=None if like is None else like.dtype)
-        with torch.no_grad():
-            for name in _SHARDED:
-                if getattr(norm, name) is not None:
-                    getattr(layer, name).copy_(layer.shard_spec(name).slice_of(getattr(norm, name)))
-            if norm.num_batches_tracked is not None:
-                layer.num_batches_tracked.copy_(norm.num_batches_tracked)
-        _copy_requires_grad(norm, layer)
-        return layer.train(norm.training)
-
-
-def _copy_requires_grad(source: nn.Module, target: nn.Module) -> None:
-    """A frozen affine weight or bias (fine-tuning) stays frozen across the conversion."""
-    for name in ("weight", "bias"):
-        if getattr(source, name) is not None:
-            getattr(target, name).requires_grad_(getattr(source, name).requires_grad)
+        return cls(norm.num_features, norm.eps, norm.momentum, norm.affine, norm.track_running_stats,
+                   bias=not norm.affine or norm.bias is not None, sync_dp=synced, dp_group=dp_group,
+                   tp_group=tp_group, **device_dtype_of(norm))
 
 
 class _SyncedBatchNorm(torch.autograd.Function):

@@ -26,7 +26,7 @@ from ..parallel.regions import (
 from ..parallel.partial_grads import with_partial_grad
 from ..parallel.sharding import shard_range, shard_sizes
 from ..errors import check_positive_int
-from .base import TensorParallelModule, check_from_dense
+from .base import TensorParallelModule, refuse_options
 from .init import InitSpec, init_bias_, resolve_init
 
 
@@ -88,50 +88,25 @@ class _ParallelLinear(TensorParallelModule):
             f"{which} on this rank={self.partition_size}, tp={self.tp_size}, init={self.init.name}{sp}"
         )
 
-    @torch.no_grad()
-    def to_dense(self) -> nn.Linear:
-        """An ``nn.Linear`` with the full weight and bias, on every rank (a collective)."""
-        dense = nn.Linear(
-            self.in_features, self.out_features, bias=self.bias is not None,
-            device=self.weight.device, dtype=self.weight.dtype,
-        )
-        dense.weight.copy_(self.gather_param("weight"))
-        if self.bias is not None:
-            dense.bias.copy_(self.gather_param("bias"))
-        return dense
+    # ---- the plain twin (`DenseTwin`): an nn.Linear ----
+    _dense_kind = nn.Linear
+
+    def _dense_twin(self) -> nn.Linear:
+        return nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta",
+                         dtype=self.weight.dtype)
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, **kwargs):
-        """This rank's slice of ``linear`` as a parallel layer (same device and dtype as ``linear``).
+    def _dense_features(cls, linear: nn.Module) -> tuple[int, int]:
+        """``(in_features, out_features)`` of the plain module `from_dense` converts."""
+        return linear.in_features, linear.out_features
 
-        ``kwargs`` are the constructor's keyword options (``tp_group``, ``gather_output``, ...).
-        """
-        check_from_dense(cls, linear, nn.Linear, kwargs, ("bias", "device", "dtype", "init"))
-        layer = cls(
-            linear.in_features, linear.out_features, bias=linear.bias is not None,
-            device="meta", dtype=linear.weight.dtype, **kwargs,
-        )
-        layer.to_empty(device=linear.weight.device)
-        layer.load_dense_(linear.weight, linear.bias)
-        return layer
-
-    @torch.no_grad()
-    def load_dense_(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
-        """Copy this rank's slice of a full ``(out_features, in_features)`` weight (and bias) in place."""
-        if tuple(weight.shape) != (self.out_features, self.in_features):
-            raise ValueError(
-                f"{self._where()}: full weight must have shape {(self.out_features, self.in_features)}, "
-                f"got {tuple(weight.shape)}"
-            )
-        self.weight.copy_(self.shard_spec("weight").slice_of(weight))
-        self._load_dense_bias_(bias)
-
-    def _load_dense_bias_(self, bias: Optional[torch.Tensor]) -> None:
-        if (bias is None) != (self.bias is None):
-            raise ValueError(f"{self._where()}: bias is {'missing' if bias is None else 'unexpected'}")
-        if bias is not None:
-            spec = self.shard_spec("bias")
-            self.bias.copy_(bias if spec is None else spec.slice_of(bias))
+    @classmethod
+    def _empty_from_dense(cls, linear: nn.Module, **options):
+        source = "nn.Linear" if isinstance(linear, nn.Linear) else type(linear).__name__  # or a Conv1D
+        refuse_options(cls, options, ("bias", "device", "dtype", "init"), source)
+        layer = cls(*cls._dense_features(linear), bias=linear.bias is not None, device="meta",
+                    dtype=linear.weight.dtype, **options)
+        return layer.to_empty(device=linear.weight.device)
 
 
 class ColumnParallelLinear(_ParallelLinear):

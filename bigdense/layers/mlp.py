@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..parallel.regions import ColumnComm, column_parallel_linear
-from .base import TensorParallelModule, sequence_dropout
+from .base import TensorParallelModule, copy_flags, refuse_options, sequence_dropout
 from .init import InitSpec
 from .linear import ColumnParallelLinear, RowParallelLinear
 
@@ -105,22 +105,22 @@ class ParallelMLP(TensorParallelModule):
         hidden = F.silu(gate[0]) * hidden if gate else _ELEMENTWISE[self.activation](hidden)
         return sequence_dropout(self.down(hidden), self.dropout, self.training, shares, self.tp_rank)
 
+    # ---- the plain twin (`DenseTwin`): a `DenseMLP`, its projections the projections' own twins ----
+    def _dense_twin(self) -> "DenseMLP":
+        """With dropout off its forward equals this one's (in training its nn.Dropout draws its own masks)."""
+        return DenseMLP(self.d_model, self.d_hidden, self.activation, dropout=self.dropout,
+                        bias=getattr(self.down, "bias", None) is not None, device="meta")
 
-    @torch.no_grad()
-    def to_dense(self) -> "DenseMLP":
-        """A plain PyTorch `DenseMLP` with the full weights, on every rank (a collective).
+    @classmethod
+    def _check_dense(cls, module, method: str) -> None:
+        if not all(isinstance(getattr(module, name, None), nn.Linear) for name in ("up", "down")):
+            raise TypeError(f"{cls.__name__}.{method}: expected an MLP module with nn.Linear up and down (and gate), "
+                            f"such as a DenseMLP; got {type(module).__name__}")
 
-        Its forward equals this one's with dropout off (in training its nn.Dropout draws its own masks).
-        """
-        # Built on meta (no init, no draw from the RNG), then given the gathered layers.
-        dense = DenseMLP(
-            self.d_model, self.d_hidden, self.activation, dropout=self.dropout,
-            bias=self.up.bias is not None, device="meta",
-        )
-        if self.gate is not None:
-            dense.gate = self.gate.to_dense()
-        dense.up, dense.down = self.up.to_dense(), self.down.to_dense()
-        return dense
+    @classmethod
+    def _state_of(cls, module: nn.Module) -> dict[str, torch.Tensor]:
+        return _projections_state({n: getattr(module, n) for n in ("gate", "up", "down")
+                                   if getattr(module, n, None) is not None})
 
     @classmethod
     def from_dense(cls, *layers: nn.Module, activation: str | None = None, dropout: float | None = None, **kwargs):
@@ -133,6 +133,7 @@ class ParallelMLP(TensorParallelModule):
         `DenseMLP` / what `to_dense` returns. ``dropout`` defaults to 0 (to the module's p).
         ``kwargs``: ``tp_group``. Device and dtype are the linears'.
         """
+        source = layers[0] if layers else None  # whose train/eval mode the MLP takes
         if len(layers) == 1 and hasattr(layers[0], "up") and hasattr(layers[0], "down"):
             module = layers[0]
             activation = activation or getattr(module, "activation", None)
@@ -161,18 +162,21 @@ class ParallelMLP(TensorParallelModule):
         has_bias = {layer.bias is not None for layer in layers}
         if len(has_bias) != 1:
             raise ValueError("ParallelMLP.from_dense: either every projection has a bias or none does")
-        for key in ("bias", "device", "dtype", "init"):
-            if key in kwargs:
-                raise TypeError(f"ParallelMLP.from_dense: {key}= comes from the nn.Linear layers, do not pass it")
+        refuse_options(cls, kwargs, ("bias", "device", "dtype", "init"), "nn.Linear layers")
         mlp = cls(
             d_model, d_hidden, activation, dropout=dropout or 0.0, bias=has_bias.pop(),
             device="meta", dtype=ins[0].weight.dtype, **kwargs,
         )
         mlp.to_empty(device=ins[0].weight.device)
-        targets = (mlp.gate, mlp.up, mlp.down) if activation == "swiglu" else (mlp.up, mlp.down)
-        for target, layer in zip(targets, layers):
-            target.load_dense_(layer.weight, layer.bias)
-        return mlp
+        names = ("gate", "up", "down") if activation == "swiglu" else ("up", "down")
+        for name, layer in zip(names, layers):
+            copy_flags(layer, getattr(mlp, name))
+        return mlp.load_dense_(_projections_state(dict(zip(names, layers)))).train(source.training)
+
+
+def _projections_state(projections: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    """``{"up.weight": ..., ...}``: the full tensors of an MLP's projections, by the MLP's names."""
+    return {f"{name}.{key}": t for name, layer in projections.items() for key, t in layer.state_dict().items()}
 
 
 class DenseMLP(nn.Module):

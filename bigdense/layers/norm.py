@@ -17,10 +17,19 @@ import torch.nn.functional as F
 from ..parallel import comm
 from ..parallel.context import resolve_tp_group
 from ..parallel.partial_grads import with_partial_grad
+from .base import DenseTwin, device_dtype_of
 
 
-class _SequenceParallelNorm:
-    """What both norms share: the group, the flag, and the parameters as the forward sees them."""
+class _SequenceParallelNorm(DenseTwin):
+    """What both norms share: the group, the flag, the parameters as the forward sees them, and the
+    plain twin (`DenseTwin`): the torch norm, its parameters replicated, so ``to_dense`` is a copy and
+    no collective; ``from_dense(norm, sequence_parallel=..., tp_group=...)``."""
+
+    @classmethod
+    def _empty_from_dense(cls, norm: nn.Module, *, sequence_parallel: bool = False, tp_group=None):
+        options = {"bias": norm.bias is not None} if isinstance(norm, nn.LayerNorm) else {}
+        return cls(norm.normalized_shape, norm.eps, norm.elementwise_affine, sequence_parallel=sequence_parallel,
+                   tp_group=tp_group, **options, **device_dtype_of(norm))
 
     def _setup_sp(self, sequence_parallel: bool, tp_group) -> None:
         self.sequence_parallel = bool(sequence_parallel)
@@ -48,6 +57,12 @@ class LayerNorm(_SequenceParallelNorm, nn.LayerNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
         self._setup_sp(sequence_parallel, tp_group)
 
+    _dense_kind = nn.LayerNorm
+
+    def _dense_twin(self) -> nn.LayerNorm:
+        return nn.LayerNorm(self.normalized_shape, self.eps, self.elementwise_affine, bias=self.bias is not None,
+                            device="meta")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self._params()
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
@@ -61,6 +76,11 @@ class RMSNorm(_SequenceParallelNorm, nn.RMSNorm):
                  sequence_parallel: bool = False, tp_group=None, device=None, dtype=None):
         super().__init__(normalized_shape, eps, elementwise_affine, device=device, dtype=dtype)
         self._setup_sp(sequence_parallel, tp_group)
+
+    _dense_kind = nn.RMSNorm
+
+    def _dense_twin(self) -> nn.RMSNorm:
+        return nn.RMSNorm(self.normalized_shape, self.eps, self.elementwise_affine, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, _ = self._params()

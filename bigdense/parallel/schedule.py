@@ -13,17 +13,26 @@ each rank's collective and layer, before anything is sent; a rank that does not 
 check's deadline is named as missing. Every rank that waits anywhere learns of a failure at once
 (one shared abort key), so the whole job stops in seconds.
 
-The end of every outermost module forward, and of the backward that follows it, is posted too (a
-"boundary"), so a rank that skips the *last* collective of a pass meets its peers' collective with
-its boundary instead of leaving them waiting.
+Only collectives are compared. Module boundaries say where a rank is: each collective carries the
+pass it is issued in -- an outermost module forward, or the backward through one, named by its
+module and by how many collectives the rank had issued on the group when the pass began -- and the
+passes the rank ended since its previous collective there. A module that issues no collective (a
+probe, a metric, on one rank only) changes nothing another rank compares. A rank that ends a pass
+without a collective its peer issues inside that pass (it skipped the *last* collective of the
+pass, or every one) is caught as soon as either side sees the other: the peer waiting for it reads
+that this rank ended the pass (each rank notes its pass ends in the store, without waiting), this
+rank reads at the pass's end that a peer waits inside it, or its next collective arrives with the
+pass among those it ended. A rank that stops for good is named at the deadline, with the passes it
+last ended. (Passes are told apart by module and start only: a collective-free call of a module on
+one rank only, right before the same module's call that issues collectives, reads as a skip.)
 
     BIGDENSE_CHECK_SCHEDULE=1 torchrun ... launch/train.py       # the whole run
     with bd.check_schedule():  ...                               # a block (tests, a suspect step)
     bd.check_schedule(True, timeout=10)                          # process-wide, 10 s deadline
 
 Off by default, and then free: `comm` tests one module flag per collective and the region wrappers
-one per call; no hook is installed. On, each collective costs a few store round trips (a debug
-switch, not for production runs). Collectives traced by ``torch.compile`` are not checked (the
+one per call; no hook is installed. On, each collective and each pass's end cost a few store
+round trips (a debug switch, not for production runs). Collectives traced by ``torch.compile`` are not checked (the
 compiler schedules them), nor those of torch's "fake" backend (one process, no peers), nor object
 collectives outside `comm` (configuration agreement).
 """
@@ -166,12 +175,38 @@ def tag(out):
     return out
 
 
+# ---- passes: each outermost forward, and the backward through it ----
+# A pass is what a rank is inside when it issues a collective, named by its kind, its module and
+# how many collectives this rank had issued on the group when it began (its start): the same on
+# every rank whose schedules agreed so far. The check never compares a pass with a collective; a
+# pass only says where a rank was, and that a peer finished the very pass a collective belongs to
+# without issuing it.
+class _Pass:
+    def __init__(self, kind: str, label: str):
+        self.kind, self.label = kind, label
+        # (a group first used inside the pass starts it at 0, as it does on every rank)
+        self.starts = {name: state.seq for name, state in _groups.items()}
+
+    def on(self, group_name: str) -> dict:
+        """The pass as its collectives on ``group_name`` carry it (JSON-ready, compared by value)."""
+        return {"kind": self.kind, "label": self.label, "start": self.starts.get(group_name, 0)}
+
+
+_current: Optional[_Pass] = None  # the pass this rank is in (a forward, or the backward through one)
+
+
+def _pass_text(item: dict) -> str:
+    through = "through" if item["kind"] == "backward" else "of"
+    return f"the {item['kind']} {through} {item['label']} (from collective #{item['start']} on)"
+
+
 # ---- agreement through the store ----
 class _GroupState:
     def __init__(self, group):
         self.name = group.group_name
         self.ranks = dist.get_process_group_ranks(group)
         self.seq = 0
+        self.ended: list[dict] = []  # passes this rank ended since its last collective here (each once)
         self.lock = threading.Lock()
         # torch's "fake" backend (one process playing one rank: shape-only runs) has no peers to
         # agree with, nor a store that holds anything.
@@ -179,21 +214,23 @@ class _GroupState:
 
 
 _groups: dict[str, _GroupState] = {}
-_excluded: set[str] = set()  # groups whose collectives run on their own thread (no boundaries there)
+_excluded: set[str] = set()  # groups whose collectives run on their own thread (outside passes)
 _epoch = 0  # advanced by `reset` (collectively, at teardown): keys of an earlier mesh are never read
 
 
 def exclude_from_boundaries(group) -> None:
     """``group``'s collectives run on a thread of their own (the background checkpoint writer):
-    they are checked, but boundaries, posted from the training thread, are not placed among them."""
+    they are checked, but not as part of the training thread's passes."""
     _excluded.add(group.group_name)
 
 
 def reset() -> None:
     """Forget every group (on every rank at `bd.destroy_parallel`, whose teardown calls it)."""
-    global _epoch
+    global _epoch, _current
     _groups.clear()
+    _groups_of.clear()
     _excluded.clear()
+    _current = None
     _epoch += 1
 
 
@@ -202,6 +239,14 @@ on_teardown(reset)
 
 def _store():
     return dist.distributed_c10d._get_default_store()
+
+
+def _prefix(state: _GroupState) -> str:
+    return f"{_PREFIX}/{_epoch}/{state.name}"
+
+
+def _abort_key() -> str:
+    return f"{_PREFIX}/{_epoch}/abort"
 
 
 def _group_label(state: _GroupState) -> str:
@@ -215,12 +260,21 @@ def _group_label(state: _GroupState) -> str:
 
 
 def _describe(entry: dict) -> str:
-    if entry["kind"] == "boundary":
-        return f"no collective: it reached the {entry['layer']} [{entry['code']}]"
     op = f" {entry['op']}" if entry.get("op") else ""
     where = (f"outside the model, in {entry['layer']}" if entry["phase"] == "step"
              else f"in the {entry['phase']} of {entry['layer']}")
-    return f"{entry['kind']}{op} of {entry['dtype']} {tuple(entry['shape'])} {where} [{entry['code']}]"
+    text = f"{entry['kind']}{op} of {entry['dtype']} {tuple(entry['shape'])} {where} [{entry['code']}]"
+    return text + _since(entry.get("ended", []))
+
+
+def _since(ended: list[dict]) -> str:
+    """Where a rank was between its previous collective on the group and this one: the passes it ended."""
+    return f"; before it, it reached the end of {_ends_text(ended)}" if ended else ""
+
+
+def _ends_text(ended: list[dict]) -> str:
+    shown = ", then ".join(_pass_text(p) for p in ended[-3:])
+    return f"... {shown}" if len(ended) > 3 else shown
 
 
 _COMPARED = ("kind", "shape", "dtype", "op", "phase", "layer")
@@ -238,60 +292,174 @@ def agree(kind: str, group, tensor: torch.Tensor, op: Optional[str] = None) -> N
     if not state.checked:
         return
     phase, layer, code = origin()
+    inside = _current if state.name not in _excluded else None
     entry = {"kind": kind, "shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", ""),
-             "op": op or "", "phase": phase, "layer": layer, "code": code, "rank": dist.get_rank()}
+             "op": op or "", "phase": phase, "layer": layer, "code": code, "rank": dist.get_rank(),
+             "pass": None if inside is None else inside.on(state.name)}
     with state.lock:
         seq, state.seq = state.seq, state.seq + 1
+        entry["ended"], state.ended = state.ended, []
         _exchange(state, seq, entry)
-
-
-def boundary(label: str) -> None:
-    """Post "no collective here: ``label``" on every group this rank has used (in one global order),
-    so that a peer waiting for a collective this rank skipped learns of it now."""
-    if not _enabled or not dist.is_initialized():
-        return
-    for name in sorted(_groups):
-        state = _groups[name]
-        if name in _excluded or not state.checked:
-            continue
-        entry = {"kind": "boundary", "shape": [], "dtype": "", "op": "", "phase": "", "layer": label,
-                 "code": "", "rank": dist.get_rank()}
-        with state.lock:
-            seq, state.seq = state.seq, state.seq + 1
-            _exchange(state, seq, entry)
 
 
 def _exchange(state: _GroupState, seq: int, entry: dict) -> None:
     store, me = _store(), dist.get_rank()
-    prefix = f"{_PREFIX}/{_epoch}/{state.name}"
-    abort = f"{_PREFIX}/{_epoch}/abort"
+    prefix = _prefix(state)
     store.set(f"{prefix}/{seq}/{me}", json.dumps(entry))
     keys = [f"{prefix}/{seq}/{r}" for r in state.ranks]
     deadline, pause = time.monotonic() + _timeout_s, 0.0002
     while not store.check(keys):
-        if store.check([abort]):
-            raise ScheduleMismatch(store.get(abort).decode())
+        _raise_if_aborted(store)
+        finished = _peers_that_finished(store, state, seq, entry)
+        if finished:
+            lines = [f"  rank {me}: {_describe(entry)}"]
+            lines += [f"  rank {r}: no collective: it reached the end of {_pass_text(entry['pass'])} without it"
+                      for r in finished]
+            _fail(store, f"bigdense collective schedule check: the ranks of {_group_label(state)} disagree at "
+                         f"collective #{seq} (every entry before it agreed):\n" + "\n".join(lines))
         if time.monotonic() > deadline:
             missing = [r for r, k in zip(state.ranks, keys) if not store.check([k])]
-            message = (f"bigdense collective schedule check: collective #{seq} on {_group_label(state)}: "
-                       f"rank(s) {missing} did not reach it within {_timeout_s:g} s while rank {me} issues "
-                       f"{_describe(entry)} (they skipped it, or are stuck before it)")
-            store.set(abort, message)
-            raise ScheduleMismatch(message)
+            where = "".join(_last_seen(store, state, seq, r) for r in missing)
+            _fail(store, f"bigdense collective schedule check: collective #{seq} on {_group_label(state)}: "
+                         f"rank(s) {missing} did not reach it within {_timeout_s:g} s (they skipped it, or are "
+                         f"stuck before it) while rank {me} issues {_describe(entry)}{where}")
         time.sleep(pause)
         pause = min(pause * 2, 0.02)
     entries = [json.loads(store.get(k)) for k in keys]
-    if any(tuple(e[f] for f in _COMPARED) != tuple(entries[0][f] for f in _COMPARED) for e in entries):
-        lines = "\n".join(f"  rank {e['rank']}: {_describe(e)}" for e in entries)
-        message = (f"bigdense collective schedule check: the ranks of {_group_label(state)} disagree at "
-                   f"collective #{seq} (every entry before it agreed):\n{lines}")
-        store.set(abort, message)
-        raise ScheduleMismatch(message)
+    problem = _disagreement(entries)
+    if problem:
+        _fail(store, f"bigdense collective schedule check: the ranks of {_group_label(state)} disagree at "
+                     f"collective #{seq} (every entry before it agreed):\n{problem}")
     if seq:  # every peer has posted `seq`, so it has read this rank's `seq - 1`
         store.delete_key(f"{prefix}/{seq - 1}/{me}")
 
 
-# ---- boundaries at the end of forward and backward (hooks exist only while the check is on) ----
+def _disagreement(entries: list[dict]) -> Optional[str]:
+    """The message lines when the ranks' entries for one collective differ: in what they issue, or
+    because a rank issues it inside a pass that a peer ended before issuing it."""
+    lines = "\n".join(f"  rank {e['rank']}: {_describe(e)}" for e in entries)
+    if any(tuple(e[f] for f in _COMPARED) != tuple(entries[0][f] for f in _COMPARED) for e in entries):
+        return lines
+    for e in entries:
+        for peer in entries:
+            if _ended_without(peer["ended"], e["pass"], e["ended"]):
+                return (f"{lines}\n  rank {peer['rank']} reached the end of {_pass_text(e['pass'])} without this "
+                        f"collective, which rank {e['rank']} issues inside it")
+    return None
+
+
+def _ended_without(peer_ended: list[dict], inside: Optional[dict], own_ended: list[dict]) -> bool:
+    """Whether a peer that ended ``peer_ended`` finished the pass ``inside`` (where this rank issues a
+    collective) without issuing it. Not when this rank ended a pass of the same name itself (a
+    module called again after the same collective): then the names do not tell the passes apart."""
+    return inside is not None and inside in peer_ended and inside not in own_ended
+
+
+def _peers_that_finished(store, state: _GroupState, seq: int, entry: dict) -> list[int]:
+    """The peers that, having issued ``seq`` collectives, ended the pass this rank issues collective
+    ``seq`` in: they will not issue it there."""
+    if entry["pass"] is None:
+        return []
+    found = []
+    for r in state.ranks:
+        note = _ended_note(store, state, r) if r != entry["rank"] else None
+        if note is not None and note["count"] == seq and _ended_without(note["ended"], entry["pass"], entry["ended"]):
+            found.append(r)
+    return found
+
+
+def _ended_note(store, state: _GroupState, rank: int) -> Optional[dict]:
+    key = f"{_prefix(state)}/ended/{rank}"
+    return json.loads(store.get(key)) if store.check([key]) else None
+
+
+def _last_seen(store, state: _GroupState, seq: int, rank: int) -> str:
+    note = _ended_note(store, state, rank)
+    if note is None or note["count"] != seq or not note["ended"]:
+        return ""
+    last = f"issued collective #{seq - 1} last" if seq else "issued none here"
+    return f"; rank {rank} {last}, then reached the end of {_ends_text(note['ended'])}"
+
+
+def _raise_if_aborted(store) -> None:
+    if store.check([_abort_key()]):
+        raise ScheduleMismatch(store.get(_abort_key()).decode())
+
+
+def _fail(store, message: str) -> None:
+    """Raise `ScheduleMismatch` here, and on every rank waiting anywhere (the shared abort key)."""
+    store.set(_abort_key(), message)
+    raise ScheduleMismatch(message)
+
+
+def _open(kind: str, label: str) -> _Pass:
+    global _current
+    _current = _Pass(kind, label)
+    return _current
+
+
+_groups_of: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _watch_groups(root: nn.Module) -> None:
+    """Follow, from before their first collective, the groups ``root``'s layers and the default
+    context use: a rank whose first pass skips its only collective on a group notes that pass's
+    end there too (a group is otherwise followed from its first collective)."""
+    if root not in _groups_of:
+        mine = {getattr(sub, "tp_group", None) for sub in root.modules()}
+        _groups_of[root] = tuple(g for g in mine if isinstance(g, dist.ProcessGroup))
+    ctx = get_default_context()
+    for group in (ctx.tp_group, ctx.dp_group, *_groups_of[root]):
+        if group is not None and group.group_name not in _groups and dist.get_world_size(group) > 1:
+            _groups.setdefault(group.group_name, _GroupState(group))
+
+
+def _forget(done: _Pass) -> None:
+    global _current
+    if _current is done:
+        _current = None
+
+
+def _close(done: _Pass) -> None:
+    """Note, on every group this rank has used, that it ended pass ``done`` (for peers still inside
+    it, and to name where it was); raise if a peer already waits inside ``done`` for a collective
+    this rank did not issue there, or if the check has failed elsewhere."""
+    _forget(done)
+    if not _enabled or not dist.is_initialized():
+        return
+    store, me = _store(), dist.get_rank()
+    for name in sorted(_groups):
+        state = _groups[name]
+        if name in _excluded or not state.checked:
+            continue
+        item = done.on(name)
+        with state.lock:
+            first = item not in state.ended  # (a module run again after the same collective: noted once)
+            if first:
+                state.ended.append(item)
+            store.set(f"{_prefix(state)}/ended/{me}", json.dumps({"count": state.seq, "ended": state.ended}))
+            _raise_if_aborted(store)
+            waiting = _peer_waiting_inside(store, state, item) if first else None
+            if waiting is not None:
+                _fail(store, f"bigdense collective schedule check: the ranks of {_group_label(state)} disagree "
+                             f"at collective #{state.seq} (every entry before it agreed):\n  rank {waiting['rank']}: "
+                             f"{_describe(waiting)}\n  rank {me}: no collective: it reached the end of "
+                             f"{_pass_text(item)} without it")
+
+
+def _peer_waiting_inside(store, state: _GroupState, item: dict) -> Optional[dict]:
+    """A peer's entry for this rank's next collective number, when the peer issues it inside pass
+    ``item`` (which this rank has just ended without it)."""
+    for r in state.ranks:
+        key = f"{_prefix(state)}/{state.seq}/{r}"
+        if r != dist.get_rank() and store.check([key]):
+            entry = json.loads(store.get(key))
+            if entry["pass"] == item and item not in entry["ended"]:
+                return entry
+    return None
+
+
+# ---- where passes begin and end (hooks exist only while the check is on) ----
 class _Hooks:
     def __init__(self):
         self.handles = []
@@ -317,27 +485,40 @@ class _Hooks:
         if torch._C._current_autograd_node() is not None:
             return
         depth = getattr(self.local, "depth", 0)
-        if depth == 0 and module not in _names:  # (a module already named is part of a larger model)
-            _register_names(module)
+        if depth == 0:
+            if module not in _names:  # (a module already named is part of a larger model)
+                _register_names(module)
+            if dist.is_initialized():
+                _watch_groups(module)
+            self.local.forward = _open("forward", _module_label(module))
         self.local.depth = depth + 1
 
     def _post(self, module, args, out) -> None:
         if torch._C._current_autograd_node() is not None:
             return
         self.local.depth = max(getattr(self.local, "depth", 1) - 1, 0)
-        if self.local.depth or sys.exc_info()[1] is not None:
-            return  # an inner module, or a forward that raised (the error goes on as it is)
-        label = _module_label(module)
-        boundary(f"end of the forward of {label}")
+        if self.local.depth:
+            return  # an inner module
+        done = getattr(self.local, "forward", None)
+        if done is None:
+            return
+        if sys.exc_info()[1] is not None:
+            _forget(done)
+            return  # a forward that raised (the error goes on as it is)
+        _close(done)
         for leaf in torch.utils._pytree.tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                leaf.register_hook(lambda grad, label=label: _end_of_backward(label))
+                leaf.register_hook(lambda grad, label=done.label: _begin_backward(label))
                 break
 
 
-def _end_of_backward(label: str) -> None:
-    torch.autograd.Variable._execution_engine.queue_callback(
-        lambda: boundary(f"end of the backward through {label}"))
+def _begin_backward(label: str) -> None:
+    """The gradient of an outermost forward's output is there: the backward through it has begun
+    (unless another output's began this backward already). Its end is noted when autograd finishes."""
+    if _current is not None and _current.kind == "backward":
+        return
+    started = _open("backward", label)
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: _close(started))
 
 
 _hooks = _Hooks()

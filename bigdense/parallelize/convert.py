@@ -55,9 +55,9 @@ from ..layers.base import replace_module
 from ..parallel import comm
 from ..parallel.context import resolve_tp_group
 from ..parallel.sharding import shard_range
-from .hf import layer_pattern, unaligned_experts_to_eager
+from .hf import layer_pattern, unaligned_experts_to_eager, unnamed_layers_hint
 from .inplace import ShardedInPlace, shard_in_place
-from .plans import ELEMENTWISE, TRANSFORMER_LAYERS, Conversion, Entry, PlanValue, plan_conversion
+from .plans import ELEMENTWISE, HF_SOURCE, TRANSFORMER_LAYERS, Conversion, Entry, PlanValue, plan_conversion
 from .styles import Column, PerFeature, Row
 
 logger = logging.getLogger("bigdense.parallelize")
@@ -239,6 +239,9 @@ def _report(model: nn.Module, conversion: Conversion) -> ConversionReport:
     for name, module in model.named_modules():  # plain dense layers nothing converted, by pattern
         if type(module) in (nn.Linear, nn.Embedding) or (is_conv1d(module) and not named_shard_specs(module)):
             report.dense.setdefault(layer_pattern(name), "not named by the plan")
+    unnamed = sorted(p for p, why in report.dense.items() if why == "not named by the plan")
+    if conversion.source == HF_SOURCE and unnamed and report.sharded_fraction < 0.5:
+        report.notes.append(unnamed_layers_hint(type(model).__name__, unnamed, report.sharded_fraction))
     summary = report.summary(type(model).__name__)
     (logger.warning if report.sharded_fraction < 0.5 or report.notes else logger.info)(summary)
     return report

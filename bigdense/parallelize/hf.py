@@ -5,13 +5,17 @@ A transformers model declares how to shard it: ``config.base_model_tp_plan`` for
 the model class's ``_tp_plan`` for what wraps it (``{"lm_head": "colwise_gather_output"}``), and an
 ``embed_tokens: embedding_rowwise`` transformers adds; it merges them into the instance's
 ``_tp_plan`` under full module names. Patterns match module *and* parameter names, a ``*`` standing
-for a layer number (``layers.*.mlp.experts.gate_up_proj`` names a parameter: only split it).
+for a layer number (``layers.*.mlp.experts.gate_up_proj`` names a parameter: only split it). Its
+expert-parallel plan (``base_model_ep_plan``, ``_ep_plan``) is built the same way.
 
-Every style transformers defines (``transformers/distributed/tensor_parallel.py``) has its meaning
-here as a bigdense style (`HF_STYLES`; what each does is `bigdense.parallelize.styles`). Where a
-model's own plan would train wrong, bigdense corrects it or keeps the affected modules whole, and
-says why (`PLAN_FIXES`); attention whose heads do not divide over the TP group stays whole
-(`undividable_heads`). transformers itself is not imported here.
+Every style transformers defines (``transformers/distributed/tensor_parallel.py``, and the two
+expert-parallel ones of ``expert_parallel.py``) has its meaning here as a bigdense style
+(`HF_STYLES`; what each does is `bigdense.parallelize.styles`). Experts that the tensor-parallel
+plan leaves whole and the expert-parallel plan splits are split by the latter (`expert_entries`:
+transformers 5.25 moved most models' experts there). Where a model's own plan would train wrong,
+bigdense corrects it or keeps the affected modules whole, and says why (`PLAN_FIXES`; per-head
+norms a plan leaves out, `per_head_norms`); attention whose heads do not divide over the TP group
+stays whole (`undividable_heads`). transformers itself is not imported here.
 """
 from __future__ import annotations
 
@@ -19,14 +23,32 @@ import copy
 import fnmatch
 import re
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Callable, Mapping, Optional
+
+
+@dataclass(frozen=True)
+class FromConfig:
+    """A style option whose value is the model's (text) config's, read when its plan is translated."""
+
+    what: str  # what is read, for messages
+    read: Callable[[object], int]
+
+
+# transformers' own rule for the size of a unit of `unit_colwise`/`unit_rowwise` (one attention head).
+HEAD_DIM = FromConfig("head_dim", lambda c: getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+ROPE_DIM = FromConfig("qk_rope_head_dim", lambda c: int(getattr(c, "qk_rope_head_dim", 0) or 0))
 
 # Hugging Face style -> (bigdense style, options)
 HF_STYLES = {
     "colwise": ("column", {}),
     "colwise_gather_output": ("column", {"gather_output": True}),
     "colwise_rep": ("column", {"gather_output": True}),
+    # transformers 5.25: a column split in whole heads (k/v of MiniCPM5-MoE); where heads do not divide,
+    # transformers holds a head on several ranks, bigdense keeps the attention whole (`undividable_heads`).
+    "unit_colwise": ("column", {"unit": HEAD_DIM}),
     "rowwise": ("row", {}),
+    "unit_rowwise": ("row", {"unit": HEAD_DIM}),  # transformers 5.25: the output projection of such heads
     "rowwise_split_input": ("row", {"input_is_parallel": False}),
     "rowwise_rep": ("row", {"input_is_parallel": False}),
     "packed_colwise": ("column", {"packed": 2}),  # [gate; up]: each half split on its own
@@ -37,11 +59,23 @@ HF_STYLES = {
     "sequence_parallel": ("sequence", {}),
     "all_reduce": ("partial_output", {}),
     "moe_tp_experts": ("partial_output", {}),  # hidden states and routing weights in, a partial sum out
-    "moe_identity_expert": ("divide_input", {}),
-    "mla_kv_a_proj": ("mla_kv_a", {}),  # rope_dim: the config's qk_rope_head_dim (`translate_hf_plan`)
+    "moe_identity_expert": ("divide_input", {}),  # transformers <= 5.24 (LongCat-Flash's identity experts)
+    "mla_kv_a_proj": ("mla_kv_a", {"rope_dim": ROPE_DIM}),
     "local_params": ("local", {}),
     "replicate": ("replicate", {}),
+    # Expert parallelism's styles (an expert-parallel plan), over the TP group: whole experts per rank.
+    "ep_dispatch_experts": ("experts", {}),
+    "grouped_gemm": ("by_expert", {}),
 }
+EXPERT_STYLES = ("ep_dispatch_experts", "grouped_gemm")  # what `expert_entries` takes from an expert-parallel plan
+
+
+def transformers_version() -> str:
+    """The installed transformers' version (read from its metadata: nothing is imported)."""
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def layer_pattern(name: str) -> str:
@@ -50,18 +84,30 @@ def layer_pattern(name: str) -> str:
     return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name)
 
 
-def hf_tp_plan(model) -> Optional[dict[str, str]]:
-    """``{module pattern: Hugging Face style}`` that ``model`` carries, or None if it carries none."""
-    merged = getattr(model, "_tp_plan", None)
+def _hf_plan(model, kind: str) -> Optional[dict[str, str]]:
+    """``{module pattern: Hugging Face style}`` of the model's ``kind`` plan (``tp`` or ``ep``), or
+    None if it carries none: the instance's merged ``_{kind}_plan``, else the class's and the
+    config's ``base_model_{kind}_plan`` under the base model's prefix."""
+    merged = getattr(model, f"_{kind}_plan", None)
     if isinstance(merged, Mapping) and merged:
         return dict(merged)
-    plan = dict(getattr(type(model), "_tp_plan", None) or {})
-    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    plan = dict(getattr(type(model), f"_{kind}_plan", None) or {})
+    base = getattr(getattr(model, "config", None), f"base_model_{kind}_plan", None)
     if base:
         prefix = getattr(model, "base_model_prefix", "")
         wrapped = bool(prefix) and hasattr(model, prefix) and getattr(model, prefix) is not model
         plan.update({(f"{prefix}." if wrapped else "") + pattern: style for pattern, style in base.items()})
     return plan or None
+
+
+def hf_tp_plan(model) -> Optional[dict[str, str]]:
+    """``{module pattern: Hugging Face style}`` that ``model`` carries, or None if it carries none."""
+    return _hf_plan(model, "tp")
+
+
+def hf_expert_plan(model) -> dict[str, str]:
+    """The entries of ``model``'s expert-parallel plan that split experts (`EXPERT_STYLES`)."""
+    return {pattern: style for pattern, style in (_hf_plan(model, "ep") or {}).items() if style in EXPERT_STYLES}
 
 
 def text_config(model):
@@ -70,31 +116,50 @@ def text_config(model):
     return getter() if callable(getter) else config
 
 
+def resolve_options(options: Mapping, model, where: str) -> dict:
+    """``options`` with every `FromConfig` value read from ``model``'s text config."""
+    out = dict(options)
+    for key, value in options.items():
+        if isinstance(value, FromConfig):
+            try:
+                out[key] = value.read(text_config(model))
+            except Exception as err:  # noqa: BLE001 - a foreign config: missing, or per layer (a RuntimeError)
+                raise ValueError(f"parallelize: {where}: option {key!r} is the model config's {value.what}, which "
+                                 f"cannot be read ({type(err).__name__}: {err}); give it: (style, {{{key!r}: ...}})"
+                                 ) from None
+    return out
+
+
 def translate_hf_plan(plan: Mapping[str, str], model=None) -> dict[str, tuple]:
     """The same plan in bigdense styles; a style transformers does not define is refused, naming it."""
     refused = {pattern: style for pattern, style in plan.items() if style not in HF_STYLES}
     if refused:
         raise ValueError(
             f"parallelize: the model's Hugging Face tensor-parallel plan uses styles bigdense does not know: "
-            f"{refused}; known: {sorted(HF_STYLES)}. Pass plan= naming the modules to convert"
+            f"{refused} (transformers {transformers_version()} installed); known: {sorted(HF_STYLES)}. Pass plan= "
+            f"naming the modules to convert"
         )
     out = {}
     for pattern, hf_style in plan.items():
         style, options = HF_STYLES[hf_style]
-        if style == "mla_kv_a":
-            options = {"rope_dim": int(getattr(text_config(model), "qk_rope_head_dim", 0) or 0)}
-        out[pattern] = (style, dict(options))
+        out[pattern] = (style, resolve_options(options, model, f"plan[{pattern!r}] ({hf_style})"))
     return out
 
 
 @dataclass(frozen=True)
 class PlanFix:
     """A model's own plan that would train wrong, and what bigdense does instead: ``entries`` maps
-    a module-name glob to a Hugging Face style (converted so), or to None (kept whole)."""
+    a module-name glob to a Hugging Face style, or to None (kept whole).
+
+    A fix follows the plan it corrects, whatever release of transformers wrote it: a style replaces
+    the style of a name the plan converts, and converts a name the plan leaves out only ``beside``
+    a sibling the plan converts (a module acting on that sibling's split features); so a fix for a
+    part the plan no longer splits does nothing."""
 
     entries: Mapping[str, Optional[str]]
     why: str
     applies: Callable[[object], bool] = field(default=lambda config: True)
+    beside: Optional[str] = None  # a sibling module that must be converted for a name the plan leaves out
 
 
 _PACKED_EXPERTS = PlanFix(
@@ -104,17 +169,13 @@ _PACKED_EXPERTS = PlanFix(
 _XIELU = PlanFix(
     {"*.mlp.act_fn": "replicated_with_grad_allreduce"},
     "the xIELU activation's learned alpha_p/alpha_n act on the MLP's hidden features, which TP splits, so their "
-    "gradients are partial sums; the plan leaves them unsummed")
+    "gradients are partial sums; the plan leaves them unsummed", beside="up_proj")
 
 # By ``config.model_type`` (of the model or of its text config).
 PLAN_FIXES: dict[str, list[PlanFix]] = {
     "apertus": [_XIELU],
     "apertus1p5_text": [_XIELU],
-    "sarvam_moe": [PlanFix(
-        {"*.self_attn.q_norm": "replicated_with_grad_allreduce", "*.self_attn.k_norm": "replicated_with_grad_allreduce"},
-        "its per-head q/k norms (use_qk_norm) see this rank's heads only, so their gradients are partial sums; the "
-        "plan (copied from glm4_moe) leaves them out", applies=lambda c: bool(getattr(c, "use_qk_norm", False)))],
-    "inkling_text": [_PACKED_EXPERTS],
+    "inkling_text": [_PACKED_EXPERTS],  # transformers <= 5.24 (5.25's plan leaves the experts to its EP plan)
     "inkling2_text": [_PACKED_EXPERTS],
     "inkling2_loop_text": [_PACKED_EXPERTS],
     "doge": [PlanFix(
@@ -143,7 +204,8 @@ def plan_fixes(model) -> list[PlanFix]:
 
 def apply_fixes(model, resolved: dict[str, tuple], names: list[str]) -> tuple[dict[str, tuple], dict[str, str]]:
     """``(plan, {name: why it stays whole})``: ``resolved`` (``{module or parameter name: (style,
-    options)}``) with `plan_fixes` applied; ``names`` are the model's module and parameter names."""
+    options)}``) with `plan_fixes` applied (see `PlanFix`); ``names`` are the model's module and
+    parameter names."""
     plan, dense = dict(resolved), {}
     for fix in plan_fixes(model):
         for glob, hf_style in fix.entries.items():
@@ -151,9 +213,87 @@ def apply_fixes(model, resolved: dict[str, tuple], names: list[str]) -> tuple[di
                 if hf_style is None:
                     if plan.pop(name, None) is not None:
                         dense[name] = fix.why
-                else:
+                elif name in plan or (fix.beside and f"{name.rpartition('.')[0]}.{fix.beside}" in resolved):
                     plan[name] = translate_hf_plan({glob: hf_style}, model)[glob]
     return plan, dense
+
+
+def _groups(names) -> str:
+    """Names as their distinct layer patterns, for a message."""
+    return ", ".join(sorted({layer_pattern(n) for n in names}))
+
+
+def per_head_norms(model, resolved: dict[str, tuple]) -> tuple[dict[str, tuple], list[str]]:
+    """``({name: ("partial_grad", {})}, notes)`` for the per-head norms a plan leaves out.
+
+    A module inside an attention whose projections the plan splits by column (whole heads per
+    rank), whose own parameters are all vectors of one head's width (a q/k norm applied to each
+    head), sees this rank's heads only: its parameters' gradients are partial sums over TP, which
+    `replicated_with_grad_allreduce` sums. Qwen3's plan says so; GLM-4-MoE's with ``use_qk_norm``
+    (Param2-MoE, Sarvam-MoE) does not."""
+    split_attention = {_attention_owner(model, n) for n, (style, options) in resolved.items()
+                       if style == "column" and not options.get("gather_output")} - {None}
+    added = {}
+    for name, module in model.named_modules():
+        owner = _attention_owner(model, name)
+        if owner not in split_attention or owner == name or name in resolved:
+            continue
+        own = [p for _, p in module.named_parameters(recurse=False)]
+        if own and all(p.dim() == 1 and p.numel() == _head_width(model, owner) for p in own) and not any(
+                True for child in module.children() for _ in child.parameters()):
+            added[name] = ("partial_grad", {})
+    if not added:
+        return {}, []
+    return added, [f"{_groups(added)}: per-head norms the plan leaves out, applied to this rank's heads only: their "
+                   f"gradients are summed over TP (replicated_with_grad_allreduce)"]
+
+
+def _head_width(model, attention: str) -> Optional[int]:
+    """The width of one head of the attention module ``attention`` (its ``head_dim``: a config
+    with per-layer geometries has no single one), or None."""
+    width = getattr(model.get_submodule(attention), "head_dim", None)
+    return width if isinstance(width, int) else None
+
+
+def expert_entries(model, resolved: dict[str, tuple], from_ep_plan: dict[str, tuple],
+                   tp: int) -> tuple[dict[str, tuple], dict[str, str], list[str]]:
+    """``(entries, {name: why it stays whole}, notes)``: the experts the tensor-parallel plan
+    ``resolved`` leaves whole that the model's expert-parallel plan splits (``from_ep_plan``: its
+    `EXPERT_STYLES` entries, resolved), split by it over the TP group (style ``experts``: whole
+    experts per rank). Experts the tensor-parallel plan names (a module, a parameter of it, a
+    module around it) follow that plan."""
+    def named_by_tp(name):
+        return any(n == name or n.startswith(name + ".") or name.startswith(n + ".") for n in resolved)
+
+    entries, dense = {}, {}
+    for name, (style, _) in from_ep_plan.items():
+        if style != "experts" or named_by_tp(name):
+            continue
+        experts = getattr(model.get_submodule(name), "num_experts", None)
+        if isinstance(experts, int) and experts < tp:
+            dense[name] = f"its {experts} experts cannot give each of tp={tp} ranks one"
+            continue
+        entries.update({n: v for n, v in from_ep_plan.items() if n == name or n.startswith(name + ".")})
+    if not entries:
+        return {}, dense, []
+    modules = [n for n, (style, _) in entries.items() if style == "experts"]
+    return entries, dense, [
+        f"{_groups(modules)}: experts the tensor-parallel plan leaves whole, split by the model's expert-parallel plan "
+        f"(base_model_ep_plan) over the TP group: whole experts per rank, each rank running its own on the tokens "
+        f"routed to them, the outputs summed (transformers' all_reduce expert parallelism). transformers 5.25 moved "
+        f"most models' experts from the tensor-parallel plan, which split each expert's features, to that plan "
+        f"(transformers {transformers_version()} installed)"]
+
+
+def unnamed_layers_hint(model_name: str, unnamed: list[str], fraction: float) -> str:
+    """What to do when a model's own plan leaves most of it whole (LFM2's names only its embedding
+    and head): a plan of one's own, naming ``unnamed`` (dense layer patterns) too."""
+    shown = ", ".join(unnamed[:6]) + (", ..." if len(unnamed) > 6 else "")
+    return (f"{model_name}'s own plan splits {fraction:.0%} of its parameters; {len(unnamed)} dense layer patterns "
+            f"stay whole because it does not name them ({shown}). "
+            f"To split them, pass a plan of your own: plan={{**model.tp_plan, <pattern>: <style>, ...}} naming them "
+            f"(docs/converting-models.md, 'A plan of your own for a Hugging Face model', has one for LFM2), and "
+            f"check it with bigdense.testing.check_parallel")
 
 
 def _attention_owner(model, name: str) -> Optional[str]:
@@ -234,8 +374,9 @@ def unaligned_experts_to_eager(model) -> list[str]:
             continue
         for pname, spec in module.bd_shard_specs().items():
             # Every rank's split width (the activations between the experts' two projections have it
-            # too) and rows; decided from all ranks' sizes, so every rank runs the same kernels.
-            widths = {n * spec.parts for n in spec.sizes} | {spec.local_shape[-1]}
+            # too) and rows; decided from all ranks' sizes, so every rank runs the same kernels. A
+            # split of the experts themselves (dim 0) leaves every row and activation whole.
+            widths = ({n * spec.parts for n in spec.sizes} if spec.dim > 0 else set()) | {spec.local_shape[-1]}
             bad = [w for w in sorted(widths) if (w * getattr(module, pname).element_size()) % 16]
             if bad:
                 module.config = copy.copy(config)

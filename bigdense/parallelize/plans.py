@@ -18,12 +18,13 @@ from ..layers.base import TensorParallelModule
 from ..layers.conv1d import is_conv1d
 from ..layers.feature_norm import NORMS, per_feature_refusal
 from .hf import (
-    HF_STYLES, apply_fixes, dropout_notes, hf_tp_plan, is_hf_model, layer_pattern, no_plan_error, translate_hf_plan,
-    undividable_heads,
+    HF_STYLES, apply_fixes, dropout_notes, expert_entries, hf_expert_plan, hf_tp_plan, is_hf_model, layer_pattern,
+    no_plan_error, per_head_norms, resolve_options, translate_hf_plan, undividable_heads,
 )
 from .styles import STYLES, Column, Head, Row, Style, StyleError, make_style
 
 PlanValue = Union[str, tuple]
+HF_SOURCE = "the model's Hugging Face tensor-parallel plan"  # Conversion.source of a model's own plan
 
 ELEMENTWISE = (
     nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU,
@@ -131,12 +132,13 @@ def _sequential_pairs(children: list[tuple[str, nn.Module]], prefix: str, plan: 
         i = j + 1
 
 
-def _normalise(value: PlanValue, pattern: str) -> tuple[str, dict]:
-    """``(bigdense style, options)`` of a plan value: a style name (bigdense's or Hugging Face's)
-    or ``(style, {options})``."""
+def _normalise(value: PlanValue, pattern: str, model: nn.Module) -> tuple[str, dict]:
+    """``(bigdense style, options)`` of a plan value: a style name (bigdense's or Hugging Face's,
+    whose options the model's config may give: a head's width) or ``(style, {options})``."""
     name, options = (value, {}) if isinstance(value, str) else (value[0], dict(value[1]) if len(value) > 1 else {})
     if name in HF_STYLES and not isinstance(value, tuple):
-        return HF_STYLES[name][0], {**HF_STYLES[name][1], **options}
+        style, hf_options = HF_STYLES[name]
+        return style, resolve_options(hf_options, model, f"plan[{pattern!r}] ({name})")
     return name, options
 
 
@@ -157,21 +159,36 @@ def _match(model: nn.Module, plan: Mapping[str, tuple], hf: bool) -> tuple[dict[
     return resolved, unmatched
 
 
-def _entry(model: nn.Module, name: str, style_name: str, options: dict) -> Entry:
-    """The checked entry for ``name`` (a module or a parameter)."""
+def _entry(model: nn.Module, name: str, style_name: str, options: dict, tp: int) -> Entry:
+    """The checked entry for ``name`` (a module or a parameter) at TP size ``tp``."""
     try:
         style = make_style(style_name, options, where=f"parallelize: plan[{name!r}]")
     except StyleError as err:
         raise ValueError(f"{err} (the styles are {sorted(STYLES)})") from None
     params = dict(model.named_parameters())
     if name in params and name not in dict(model.named_modules()):
-        if not isinstance(style, (Column, Row)):
-            raise ValueError(f"parallelize: {name!r} is a parameter; only 'column' and 'row' split a parameter "
-                             f"(got {style.name!r})")
+        if not style.splits_parameters or getattr(style, "unit", 1) > 1:
+            splitting = sorted(n for n, cls in STYLES.items() if cls.splits_parameters)
+            raise ValueError(f"parallelize: {name!r} is a parameter; only {splitting} (without unit) split a "
+                             f"parameter (got {style.describe()!r})")
         return Entry(name, style, param=name.rpartition(".")[2])
     module = model.get_submodule(name)
     _check_module(model, name, module, style)
+    try:
+        style.check_tp(module, f"parallelize: {name!r}", tp)
+    except StyleError as err:
+        raise ValueError(str(err)) from None
     return Entry(name, style)
+
+
+def _check_expert_parameters(entries: dict[str, Entry]) -> None:
+    """A parameter split by expert must sit below an experts module converted as such: its forward
+    maps the routes to this rank's experts."""
+    experts = [n for n, e in entries.items() if e.style.name == "experts"]
+    for name, entry in entries.items():
+        if entry.style.name == "by_expert" and not any(name.startswith(m + ".") for m in experts):
+            raise ValueError(f"parallelize: {name!r} is split by expert ('by_expert'), but no module above it is "
+                             f"converted as 'experts' (which routes each token to this rank's experts); name it")
 
 
 def _check_module(model, name: str, module: nn.Module, style: Style) -> None:
@@ -223,12 +240,32 @@ def _follow_ties(model: nn.Module, shared: dict[int, list[str]], entries: dict[s
     return ties
 
 
+def _from_hf_plan(model: nn.Module, hf_plan: Mapping[str, str], tp: int) -> tuple[dict, list, dict, list]:
+    """``(resolved, unmatched patterns, {name: why it stays whole}, notes)`` of a model's own plan at
+    TP size ``tp`` (`bigdense.parallelize.hf`): its tensor-parallel entries, corrected; the experts
+    its expert-parallel plan splits that those leave whole; attention whose heads do not divide kept
+    whole; the per-head norms it leaves out of split attention added."""
+    resolved, unmatched = _match(model, translate_hf_plan(hf_plan, model), hf=True)
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    resolved, dense = apply_fixes(model, resolved, names)
+    from_ep_plan, _ = _match(model, translate_hf_plan(hf_expert_plan(model), model), hf=True)
+    experts, whole, notes = expert_entries(model, resolved, from_ep_plan, tp)
+    resolved.update(experts)
+    dense.update(whole)
+    for name, why in undividable_heads(model, resolved, tp).items():
+        resolved.pop(name)
+        dense[name] = why
+    norms, norm_notes = per_head_norms(model, resolved)
+    resolved.update(norms)
+    return resolved, unmatched, dense, notes + norm_notes + dropout_notes(model, resolved)
+
+
 def plan_conversion(model: nn.Module, plan: Optional[Mapping[str, PlanValue]], tp: int) -> Conversion:
     """What `parallelize` would do to ``model`` at TP size ``tp`` (see the module docstring)."""
     hf_plan = hf_tp_plan(model) if plan is None else None
     if plan is not None:
         source = "the plan given"
-        raw = {pattern: _normalise(value, pattern) for pattern, value in plan.items()}
+        raw = {pattern: _normalise(value, pattern, model) for pattern, value in plan.items()}
         resolved, unmatched = _match(model, raw, hf=False)
         if unmatched:
             names = [n for n, _ in model.named_modules()]
@@ -236,21 +273,16 @@ def plan_conversion(model: nn.Module, plan: Optional[Mapping[str, PlanValue]], t
                              f"(module names look like {names[1:4]})")
         dense, notes = {}, []
     elif hf_plan is not None:
-        source = "the model's Hugging Face tensor-parallel plan"
-        resolved, unmatched = _match(model, translate_hf_plan(hf_plan, model), hf=True)
-        names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
-        resolved, dense = apply_fixes(model, resolved, names)
-        for name, why in undividable_heads(model, resolved, tp).items():
-            resolved.pop(name)
-            dense[name] = why
-        notes = dropout_notes(model, resolved)
+        source = HF_SOURCE
+        resolved, unmatched, dense, notes = _from_hf_plan(model, hf_plan, tp)
     elif is_hf_model(model):
         raise no_plan_error(model, [n for n, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)])
     else:
         source = "the automatic plan"
         resolved, dense = auto_plan(model)
         unmatched, notes = [], []
-    entries = {name: _entry(model, name, style, options) for name, (style, options) in resolved.items()}
+    entries = {name: _entry(model, name, style, options, tp) for name, (style, options) in resolved.items()}
+    _check_expert_parameters(entries)
     shared = shared_parameters(model)
     conversion = Conversion(source, entries, dense, unmatched, notes=notes,
                             sharing={n.rpartition(".")[0] for names in shared.values() for n in names})

@@ -19,9 +19,11 @@ The styles, by bigdense name (Hugging Face's names are in `bigdense.parallelize.
 =================  ===========================================================================
 ``column``         output features split (``packed`` blocks each split on their own); input
                    replicated: the backward sums its gradient; ``gather_output`` gathers the
-                   output
+                   output; ``unit``: the split must fall on whole units of that many features
+                   (attention heads), every rank holding as many
 ``row``            input features split; output summed over TP (forward all-reduce), the bias
-                   added once after the sum; ``input_is_parallel=False`` splits the input here
+                   added once after the sum; ``input_is_parallel=False`` splits the input here;
+                   ``unit`` as for ``column``
 ``vocab``          an embedding's rows split; each rank looks up its rows, the outputs summed
 ``embedding_dim``  an embedding's columns split; every rank looks up its slice, the slices gathered
 ``partial_grad``   replicated parameters applied to this rank's share (per-head norms): their
@@ -32,6 +34,12 @@ The styles, by bigdense name (Hugging Face's names are in `bigdense.parallelize.
                    weights are split by their own entries): input gradients and output summed
 ``divide_input``   the input divided by the TP size (an identity expert beside ``partial_output``
                    experts, whose outputs are summed over TP)
+``experts``        a mixture-of-experts block's experts (``num_experts`` of them, their weights
+                   ``(experts, ...)``): whole experts per rank, a balanced share; each rank runs
+                   its own on the tokens routed to them (routes to other ranks' experts masked),
+                   the partial outputs summed over TP, the input gradients summed
+``by_expert``      a parameter split along its first dim, the experts (one an ``experts`` module
+                   holds below it: a per-expert norm's weight)
 ``mla_kv_a``       the last ``rope_dim`` output features bypass the TP region that follows: their
                    gradient is summed
 ``local``          nothing: the module's parameters are split by their own entries
@@ -92,6 +100,7 @@ class Style:
 
     name = "replicate"
     layer_options: tuple = ()  # options for the bigdense layer that replaces a plain module (`layer`)
+    splits_parameters = False  # whether a plan entry naming a parameter may have this style (it only splits)
 
     def split(self, module: nn.Module, name: str, param: torch.Tensor, *, whole_module: bool) -> Split:
         """How parameter ``name`` of ``module`` is split (``whole_module``: the entry names the
@@ -100,6 +109,9 @@ class Style:
 
     def check(self, module: nn.Module, where: str) -> None:
         """Refuse a module this style cannot act on (a `StyleError` naming ``where``)."""
+
+    def check_tp(self, module: nn.Module, where: str, tp: int) -> None:
+        """Refuse a module this style cannot split over ``tp`` ranks."""
 
     def adapt(self, module: nn.Module) -> None:
         """Once, after a module converted in place got its split parameters: whatever else of it
@@ -147,11 +159,27 @@ def _output_dim(param: torch.Tensor) -> int:
     return max(param.dim() - 2, 0)
 
 
+def _check_whole_units(module, where: str, style: str, features_attr: str, unit: int, tp: int) -> None:
+    """Refuse a ``unit`` split (Hugging Face's ``unit_colwise``/``unit_rowwise``: whole attention
+    heads of ``unit`` features) that would not give every rank the same number of whole units.
+    transformers would hold such units on several ranks at once; a bigdense shard belongs to one
+    rank, so it refuses instead (an attention whose heads do not divide stays whole before this)."""
+    features = getattr(module, features_attr, None)
+    if not isinstance(features, int):
+        raise StyleError(f"{where} is a {type(module).__name__} without {features_attr}; style {style!r} with "
+                         f"unit={unit} splits a linear layer's features in units")
+    if features % unit or (features // unit) % tp:
+        raise StyleError(f"{where}: style {style!r} splits its {features} {features_attr.replace('_', ' ')} in whole "
+                         f"units of {unit}; {features / unit:g} units do not give each of {tp} ranks the same number")
+
+
 @dataclass(frozen=True)
 class Column(Style):
     name = "column"
     gather_output: bool = False
     packed: int = 1
+    unit: int = 1
+    splits_parameters = True
 
     def split(self, module, name, param, *, whole_module):
         dim = _output_dim(param)
@@ -164,6 +192,10 @@ class Column(Style):
     def check(self, module, where):
         if self.gather_output and self.packed > 1:
             raise StyleError(f"{where}: a packed column layer's output cannot be gathered in its global order")
+
+    def check_tp(self, module, where, tp):
+        if self.unit > 1:
+            _check_whole_units(module, where, self.name, "out_features", self.unit, tp)
 
     def replaces(self, module):
         return type(module) is nn.Linear and self.packed == 1
@@ -184,7 +216,8 @@ class Column(Style):
         return gather_from_tp(output, module.tp_group, sizes)
 
     def describe(self):
-        extra = [k for k, on in (("gathered", self.gather_output), (f"packed {self.packed}", self.packed > 1)) if on]
+        extra = [k for k, on in (("gathered", self.gather_output), (f"packed {self.packed}", self.packed > 1),
+                                 (f"units of {self.unit}", self.unit > 1)) if on]
         return self.name + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -193,6 +226,8 @@ class Row(Style):
     name = "row"
     input_is_parallel: bool = True
     packed: int = 1
+    unit: int = 1
+    splits_parameters = True
 
     def split(self, module, name, param, *, whole_module):
         if param.dim() == 1 and name == "bias":
@@ -207,6 +242,10 @@ class Row(Style):
     def check(self, module, where):
         if not self.input_is_parallel and self.packed > 1:
             raise StyleError(f"{where}: a packed row layer cannot split a replicated input in its packed order")
+
+    def check_tp(self, module, where, tp):
+        if self.unit > 1:
+            _check_whole_units(module, where, self.name, "in_features", self.unit, tp)
 
     def replaces(self, module):
         return type(module) is nn.Linear and self.packed == 1
@@ -233,7 +272,8 @@ class Row(Style):
 
     def describe(self):
         extra = [k for k, on in (("input split here", not self.input_is_parallel),
-                                 (f"packed {self.packed}", self.packed > 1)) if on]
+                                 (f"packed {self.packed}", self.packed > 1), (f"units of {self.unit}", self.unit > 1))
+                 if on]
         return self.name + (f" ({', '.join(extra)})" if extra else "")
 
 
@@ -355,6 +395,94 @@ class DivideInput(Style):
         return args, kwargs, None
 
 
+def _routing(module, args: tuple, kwargs: dict) -> tuple[list, Any]:
+    """An experts module's call as ``([hidden states, expert indices, routing weights], put)``:
+    the first floating-point tensor, the integer tensor and the second floating-point tensor, in
+    call order (transformers names them differently from model to model), and a function that
+    returns ``(args, kwargs)`` with those three replaced."""
+    places = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
+    floats = [(k, t) for k, t in places if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    ints = [(k, t) for k, t in places if isinstance(t, torch.Tensor) and not t.is_floating_point()]
+    if len(floats) != 2 or len(ints) != 1:
+        got = [f"{k}: {t.dtype}" for k, t in places if isinstance(t, torch.Tensor)]
+        raise StyleError(f"{type(module).__name__}: style 'experts' expects a call with hidden states, expert indices "
+                         f"and routing weights (two floating-point tensors and one integer tensor), got {got}")
+    keys = [floats[0][0], ints[0][0], floats[1][0]]
+
+    def put(values):
+        new = dict(zip(keys, values))
+        return (tuple(new.get(i, a) for i, a in enumerate(args)), {k: new.get(k, v) for k, v in kwargs.items()})
+    return [floats[0][1], ints[0][1], floats[1][1]], put
+
+
+@dataclass(frozen=True)
+class Experts(Style):
+    """Whole experts per rank, the same rule as transformers' expert parallelism over a group that
+    shares the batch (its ``all_reduce`` implementation), here over the TP group: the module's own
+    parameters of ``num_experts`` rows are split along their first dim (a balanced share of the
+    experts, uneven where they do not divide); each rank masks the routes to other ranks' experts
+    (expert index ``num_experts`` on this rank, weight 0: transformers' experts skip it) and runs
+    its own on every token routed to them; the outputs are partial sums, summed over TP. The
+    inputs are replicated, so their gradients are partial sums too. Nothing depends on how an
+    expert lays out its own weights (a fused [gate; up], an interleaved one, a transposed one)."""
+
+    name = "experts"
+
+    def split(self, module, name, param, *, whole_module):
+        total = getattr(module, "bd_experts", (None, None, getattr(module, "num_experts", None)))[2]
+        return (0, 1) if param.dim() >= 1 and param.shape[0] == total else None
+
+    def check(self, module, where):
+        if not isinstance(getattr(module, "num_experts", None), int):
+            raise StyleError(f"{where} is a {type(module).__name__} without an integer num_experts; style 'experts' "
+                             f"splits an experts module (transformers' fused experts) by whole experts")
+
+    def check_tp(self, module, where, tp):
+        if module.num_experts < tp:
+            raise StyleError(f"{where}: {module.num_experts} experts cannot give each of {tp} ranks one")
+
+    def adapt(self, module):
+        total = module.num_experts
+        start, stop = shard_range(total, module.tp_size, module.tp_rank)
+        module.bd_experts = (start, stop, total)  # this rank's experts, and how many there are in all
+        module.num_experts = stop - start  # the module's own forward counts its local experts
+        module._is_expert_parallel = True  # transformers' batched and grouped experts then mask the off-rank rows
+
+    def enter(self, module, args, kwargs):
+        (hidden, index, weights), put = _routing(module, args, kwargs)
+        start, stop, _ = module.bd_experts
+        elsewhere = (index < start) | (index >= stop)
+        local = torch.where(elsewhere, stop - start, index - start)  # stop - start: the index the experts skip
+        hidden, weights = copy_to_tp(hidden, module.tp_group), copy_to_tp(weights, module.tp_group)
+        args, kwargs = put([hidden, local, weights.masked_fill(elsewhere, 0.0)])
+        return args, kwargs, None
+
+    def leave(self, module, output, state):
+        if not isinstance(output, torch.Tensor):
+            raise StyleError(f"{type(module).__name__}: style 'experts' expects a tensor output, "
+                             f"got {type(output).__name__}")
+        return reduce_from_tp(output, module.tp_group)
+
+    def describe(self):
+        return "experts (whole experts per rank)"
+
+
+@dataclass(frozen=True)
+class ByExpert(Style):
+    """A parameter split along its first dim, the experts, as the ``experts`` module holding it
+    splits its own: for a per-expert parameter of a child (a per-expert norm's weight)."""
+
+    name = "by_expert"
+    splits_parameters = True
+
+    def split(self, module, name, param, *, whole_module):
+        return 0, 1
+
+    def check(self, module, where):
+        raise StyleError(f"{where} is a {type(module).__name__}; style 'by_expert' splits a parameter (name the "
+                         f"parameter), the experts module itself is 'experts'")
+
+
 @dataclass(frozen=True)
 class MlaKvA(Style):
     """Multi-head latent attention's ``kv_a_proj_with_mqa`` (whole on every rank): its output is
@@ -436,8 +564,8 @@ class PerFeature(Style):
 
 
 STYLES: dict[str, type[Style]] = {cls.name: cls for cls in (
-    Column, Row, Vocab, EmbeddingDim, PartialGrad, SequenceShare, PartialOutput, DivideInput, MlaKvA, Local, Style,
-    Head, PerFeature)}
+    Column, Row, Vocab, EmbeddingDim, PartialGrad, SequenceShare, PartialOutput, DivideInput, Experts, ByExpert, MlaKvA,
+    Local, Style, Head, PerFeature)}
 
 
 _REPLACING = (Column, Row, Vocab, Head, PerFeature)  # styles whose bigdense layer takes further constructor options

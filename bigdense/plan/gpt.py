@@ -35,7 +35,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from ..layers.head.ce_chunks import WEIGHT_GRAD_BLOCK_BYTES, auto_chunk_size, logits_slots
+from ..layers.head.ce_gpu import kernel_chunk_tokens, kernel_path, kernel_slots
 
 from .layout import Layout
 
@@ -69,6 +72,10 @@ class GPTShape:
     def block_weights(self) -> int:
         mlp_mats = 3 if self.activation == "swiglu" else 2
         return 4 * self.d_model * self.d_model + mlp_mats * self.d_model * self.d_hidden
+
+
+# The head's matmul dtype by the layout's precision (which loop runs it depends on it).
+MATMUL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class GPTMemory:
@@ -173,6 +180,8 @@ class GPTMemory:
         buffers `ChunkBuffers` allocates once per call and reuses for every chunk."""
         sh, tp, c = self.shape, self.layout.tp, self.c
         classes = math.ceil(sh.vocab_size / tp)
+        if kernel_path(self.layout.device_type, MATMUL_DTYPES[self.layout.precision]):
+            return self._kernel_head_bytes(classes)
         chunk = min(sh.head_chunk_size or auto_chunk_size(classes, self.layout.device_type), self.tokens)
         d = sh.d_model
         grads = self.tokens * d * 4 + classes * d * 4  # grad_h, grad_W (fp32)
@@ -187,6 +196,19 @@ class GPTMemory:
                 classes * d * c if self.layout.param_bytes == 4 else 0)
             work += cast + classes * chunk * c + block_rows * d * c
             work += chunk * d * (c + 4 + c)
+        if self.layout.sequence_parallel:
+            work += self.u * self.n  # the hidden states gathered along the sequence
+        return {"grads": grads, "chunk": work}
+
+    def _kernel_head_bytes(self, classes: int) -> dict[str, float]:
+        """The GPU loop's (`layers/head/ce_gpu.py`): grad_h in the matmul dtype, grad_W in the
+        weight's; the logits buffers in the matmul dtype; the operands cast once per call; every
+        rank's (4, tokens) fp32 statistics, gathered and joined."""
+        sh, tp, c, pb, d = self.shape, self.layout.tp, self.c, self.layout.param_bytes, self.shape.d_model
+        chunk = min(sh.head_chunk_size or kernel_chunk_tokens(classes, c, tp), self.tokens)
+        grads = self.tokens * d * c + classes * d * pb
+        work = kernel_slots(tp) * classes * chunk * c + self.tokens * 16 * (1 + 2 * tp)
+        work += (self.tokens * d * c if self.n != c else 0) + (classes * d * c if pb != c else 0)
         if self.layout.sequence_parallel:
             work += self.u * self.n  # the hidden states gathered along the sequence
         return {"grads": grads, "chunk": work}

@@ -2,7 +2,7 @@
 
     report = bigdense.testing.check_parallel(build_model, {"input_ids": ids, "labels": ids}, tp=(2, 3), steps=1)
     report.exact                 # every TP size: outputs and gradients within fp32 round-off
-    report.results[2].first_mismatch   # the first module (in execution order) whose output disagrees
+    report.results[2].first_mismatch   # the module at fault: the first (in execution order) that disagrees
 
 For each TP size, that many CPU gloo ranks (`run_ranks`) each build the plain model
 (``build_model()`` after ``torch.manual_seed(seed)``: every rank the same weights), convert a copy
@@ -11,8 +11,16 @@ times, then a last forward. Compared, on every rank:
 
 * every output of the model (a tensor, a tuple, a ``ModelOutput``'s fields) at every forward;
 * every parameter's gradient: this rank's shard against the same slice of the plain one;
-* every module's output in the first forward, where both have the same shape (sharded
-  activations inside a TP region are skipped), to name the *first* module that disagrees.
+* every module's output in the first forward, in execution order, to name the *first* module that
+  disagrees: an output TP splits (a column layer's, not gathered; a per-feature module's) is
+  gathered by the module's own split first, and a row layer's split input is compared, gathered, with
+  the plain layer's input. Where that input is the first thing to disagree, the fault lies between
+  the column layers whose split outputs it was computed from (found through the autograd graph) and
+  the row layer: when the input is the plain input's balanced split (what element-wise code on
+  correctly split column outputs hands on) the row layer's own split is wrong and it is named,
+  otherwise the earliest of those column layers is (a ``[gate; up]`` projection split as one block,
+  whose halves the code between then cuts on each rank). Other activations inside a TP region,
+  which no module's split describes, are skipped.
 
 The loss is the model's ``.loss`` output when it has one (Hugging Face models given labels), else
 ``loss_fn(output)``, else the mean square of its first floating-point output. Differences are
@@ -33,9 +41,35 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from ..layers import ColumnParallelLinear, RowParallelLinear, ShardedBatchNorm1d
+from ..layers.base import TensorParallelModule, gather_shards
+from ..parallel import comm
+from ..parallel.sharding import ShardSpec, shard_range
 from .ranks import run_ranks
 
 Diff = tuple[float, float]  # (largest |difference|, largest |plain value|)
+
+
+@dataclass
+class ModuleDiff:
+    """A module's output in the first forward against the plain module's (gathered when TP splits
+    it), or (``input``) a row layer's split input, gathered, against the plain layer's input."""
+
+    name: str
+    diff: Diff
+    input: bool = False
+    as_balanced: Optional[Diff] = None  # an input: this rank's against the plain input's balanced split
+    producers: tuple[str, ...] = ()  # an input: the split outputs it was computed from, in execution order
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (input)" if self.input else self.name
+
+    def blamed(self, rtol: float) -> str:
+        """The module at fault when this is the first difference beyond ``rtol``."""
+        if not self.input or not self.producers or (self.as_balanced and not beyond({"": self.as_balanced}, rtol)):
+            return self.name
+        return self.producers[0]
 
 
 @dataclass
@@ -44,7 +78,7 @@ class RankComparison:
 
     outputs: dict[str, Diff] = field(default_factory=dict)  # "step N/<output name>"
     grads: dict[str, Diff] = field(default_factory=dict)  # "step N/<parameter name>"
-    modules: list[tuple[str, Diff]] = field(default_factory=list)  # in execution order, first forward
+    modules: list[ModuleDiff] = field(default_factory=list)  # in execution order, first forward
     conversion: str = ""
 
 
@@ -130,21 +164,126 @@ def _loss(output, loss_fn):
     return first.float().square().mean()
 
 
-def _record_module_outputs(model: nn.Module, into: list, skip: frozenset = frozenset()):
-    def hook(name):
-        def record(module, args, output):
-            tensors = _flat_outputs(output)
-            if tensors:
-                into.append((name, next(iter(tensors.values())).detach().clone()))
-        return record
-    return [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n and n not in skip]
+@dataclass
+class _Seen:
+    """A module's first floating-point output (or input) in one call: a copy, and the node of the
+    autograd graph that made it."""
+
+    name: str
+    call: int  # the how-manieth call of that module in this forward
+    input: bool
+    value: torch.Tensor
+    node: Any
+
+
+def _first_float(value) -> Optional[torch.Tensor]:
+    return next(iter(_flat_outputs(value).values()), None)
+
+
+def _record_calls(model: nn.Module, into: list, inputs_of: frozenset, skip: frozenset = frozenset()) -> list:
+    """Hooks appending a `_Seen` to ``into`` for every module's output, and for the modules named in
+    ``inputs_of`` their input too, in execution order."""
+    calls: dict[tuple[str, bool], int] = {}
+
+    def seen(name: str, is_input: bool, value) -> None:
+        tensor = _first_float(value)
+        if tensor is not None:
+            call = calls[name, is_input] = calls.get((name, is_input), -1) + 1
+            into.append(_Seen(name, call, is_input, tensor.detach().clone(), tensor.grad_fn))
+
+    hooks = []
+    for name, module in model.named_modules():
+        if name and name not in skip:
+            hooks.append(module.register_forward_hook(lambda m, a, out, n=name: seen(n, False, out)))
+            if name in inputs_of:
+                hooks.append(module.register_forward_pre_hook(lambda m, args, n=name: seen(n, True, args)))
+    return hooks
+
+
+def _split_activation(module: nn.Module, side: str) -> Optional[ShardSpec]:
+    """How TP splits the last dim of a converted module's ``"output"`` or ``"input"``: like the
+    module's weight (its sizes and packed blocks); ``None`` when it is whole on every rank. Split:
+    a column layer's output when not gathered, a per-feature module's output, a row layer's input
+    when ``input_is_parallel``."""
+    if not isinstance(module, TensorParallelModule) or module.tp_size == 1:
+        return None
+    style = getattr(module, "bd_style", None)  # a module converted in place: its plan style
+    kind = getattr(style, "name", None)
+    if side == "output":
+        split = ((isinstance(module, ColumnParallelLinear) and not module.gather_output)
+                 or isinstance(module, ShardedBatchNorm1d) or kind == "per_feature"
+                 or (kind == "column" and not style.gather_output))
+    else:
+        split = ((isinstance(module, RowParallelLinear) and module.input_is_parallel)
+                 or (kind == "row" and style.input_is_parallel))
+    specs = module.bd_shard_specs()
+    return (specs.get("weight") or next(iter(specs.values()), None)) if split else None
+
+
+def _gathered(model: nn.Module, seen: list[_Seen]) -> list[Optional[torch.Tensor]]:
+    """Each recorded value whole: gathered by its module's split (a collective, in the same order on
+    every rank), or as it is when nothing splits it. A split value whose width is not its module's
+    split on some rank (a module whose output is not its weight's features) is left out (None) on
+    every rank, which one all-reduce of flags agrees on first."""
+    specs = [_split_activation(model.get_submodule(s.name), "input" if s.input else "output") for s in seen]
+    split = [i for i, spec in enumerate(specs) if spec is not None]
+    fits = [float(seen[i].value.dim() > 0 and seen[i].value.shape[-1] == specs[i].local_shape[specs[i].dim])
+            for i in split]
+    group = model.get_submodule(seen[split[0]].name).tp_group if split else None
+    agreed = comm.all_reduce_(torch.tensor(fits), group, op=torch.distributed.ReduceOp.MIN) if split else ()
+    out = [s.value if spec is None else None for s, spec in zip(seen, specs)]
+    for i, ok in zip(split, agreed):
+        if ok:
+            out[i] = gather_shards(seen[i].value, specs[i], model.get_submodule(seen[i].name).tp_group, dim=-1)
+    return out
+
+
+def _producers(node, made_by: dict, order: dict) -> tuple[str, ...]:
+    """The modules whose recorded split outputs the tensor of autograd node ``node`` was computed
+    from, walking the graph back to them (not past them), in execution order."""
+    found, stack, visited = set(), [node], set()
+    while stack:
+        current = stack.pop()
+        if current is None or current in visited:
+            continue
+        visited.add(current)
+        if current in made_by:
+            found.add(made_by[current])
+            continue
+        stack.extend(nxt for nxt, _ in current.next_functions)
+    return tuple(sorted(found, key=order.get))
+
+
+def _compare_modules(model: nn.Module, seen: list[_Seen], seen_ref: list[_Seen]) -> list[ModuleDiff]:
+    """This rank's `ModuleDiff`s of the first forward (see the module docstring)."""
+    plain = {(s.name, s.call, s.input): s.value for s in seen_ref}
+    split_outputs = [s for s in seen if not s.input and _split_activation(model.get_submodule(s.name), "output")]
+    made_by = {s.node: s.name for s in split_outputs if s.node is not None}
+    order = {s.name: i for i, s in reversed(list(enumerate(split_outputs)))}
+    diffs = []
+    for s, whole in zip(seen, _gathered(model, seen)):
+        want = plain.get((s.name, s.call, s.input))
+        if whole is None or want is None or whole.shape != want.shape:
+            continue
+        diff = ModuleDiff(s.name, _diff(whole, want), s.input)
+        if s.input:
+            diff.as_balanced = _balanced_diff(s.value, want, model.get_submodule(s.name))
+            diff.producers = _producers(s.node, made_by, order)
+        diffs.append(diff)
+    return diffs
+
+
+def _balanced_diff(local: torch.Tensor, plain: torch.Tensor, module) -> Optional[Diff]:
+    """This rank's input against the balanced contiguous split of the plain input's last dim."""
+    start, stop = shard_range(plain.shape[-1], module.tp_size, module.tp_rank)
+    if local.shape[-1] != stop - start:
+        return None
+    return _diff(local, plain.narrow(-1, start, stop - start))
 
 
 def _inside_converted(model: nn.Module) -> frozenset:
     """Modules inside a converted one: they run on this rank's share, before the converted module's
     communication, so their outputs are not the plain model's."""
-    from ..layers.base import TensorParallelModule
-
     converted = [n for n, m in model.named_modules() if isinstance(m, TensorParallelModule)]
     return frozenset(n for n, _ in model.named_modules() if any(n.startswith(c + ".") for c in converted if c))
 
@@ -180,9 +319,10 @@ def compare_pair(reference: nn.Module, model: nn.Module, batch, *, steps: int = 
     ref_params, params = dict(reference.named_parameters()), dict(model.named_parameters())
     opt_ref = torch.optim.SGD(reference.parameters(), lr=lr)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
+    split_inputs = frozenset(n for n, m in model.named_modules() if n not in inside and _split_activation(m, "input"))
     for step in range(steps + 1):
         seen_ref, seen = [], []
-        hooks = (_record_module_outputs(reference, seen_ref) + _record_module_outputs(model, seen, inside)
+        hooks = (_record_calls(reference, seen_ref, split_inputs) + _record_calls(model, seen, split_inputs, inside)
                  if step == 0 else [])
         out_ref, out = (_call_seeded(m, batch, seed + step) for m in (reference, model))
         for h in hooks:
@@ -192,9 +332,7 @@ def compare_pair(reference: nn.Module, model: nn.Module, batch, *, steps: int = 
             if name in want and got.shape == want[name].shape:
                 result.outputs[f"step {step}/{name}"] = _diff(got, want[name])
         if step == 0:
-            ref_by_name = dict(seen_ref)
-            result.modules = [(n, _diff(t, ref_by_name[n])) for n, t in seen
-                              if n in ref_by_name and t.shape == ref_by_name[n].shape]
+            result.modules = _compare_modules(model, seen, seen_ref)
         if step == steps:
             break
         _loss(out_ref, loss_fn).backward()
@@ -235,8 +373,8 @@ def merge(tp: int, per_rank: list[RankComparison], rtol: float) -> CheckResult:
         return out
     first = None
     for comparison in per_rank:  # the first rank's earliest module that disagrees
-        bad = beyond(dict(comparison.modules), rtol)
-        first = first or next((name for name, _ in comparison.modules if name in bad), None)
+        bad = beyond({m.label: m.diff for m in comparison.modules}, rtol)
+        first = first or next((m.blamed(rtol) for m in comparison.modules if m.label in bad), None)
     return CheckResult(tp, largest(c.outputs for c in per_rank), largest(c.grads for c in per_rank), first,
                        per_rank[0].conversion, rtol)
 

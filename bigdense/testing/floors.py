@@ -19,6 +19,7 @@ FLOORS = (
     (0, "bigdense.errors", "how a bad value is reported (ConfigError, the shared checks)"),
     (0, "bigdense.host_checks", "the switch for checks that read device data on the host"),
     (0, "bigdense.durable", "writing files that survive a crash (temp file, fsync, rename)"),
+    (1, "bigdense.kernels", "GPU kernels (Triton) beside their torch references"),
     (1, "bigdense.parallel", "the mesh, raw collectives, autograd communication regions, layout-free random numbers"),
     (2, "bigdense.layers", "the tensor-parallel layers, the classifier head"),
     (2, "bigdense.data", "the corpus, its tokenizer and batches"),

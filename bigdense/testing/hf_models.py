@@ -21,6 +21,7 @@ import dataclasses
 SMALL = {
     "hidden_size": 64, "d_model": 64, "n_embd": 64,
     "intermediate_size": 128, "ffn_hidden_size": 128, "dense_intermediate_size": 128, "intermediate_size_mlp": 128,
+    "first_dense_intermediate_size": 128,
     "moe_intermediate_size": 64, "expert_ffn_hidden_size": 64, "shared_expert_intermediate_size": 64,
     "shared_experts_intermediate_size": 64, "shared_intermediate_size": 64, "moe_shared_expert_intermediate_size": 64,
     "num_hidden_layers": 2, "n_layer": 2, "n_layers": 2, "num_layers": 2, "depth": 2,
@@ -32,6 +33,7 @@ SMALL = {
     "n_group": 1, "topk_group": 1, "num_expert_group": 1,
     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
     "qk_head_dim": 24, "o_lora_rank": 32, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4,
+    "index_num_heads": 1,  # Kolibri-1.1's indexer: at most the query heads of one key head (1 with --heads 4 4)
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
     "linear_num_heads": 4, "linear_head_dim": 16, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16,
     "mamba_n_groups": 1, "mamba_chunk_size": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16,

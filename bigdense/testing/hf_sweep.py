@@ -16,6 +16,9 @@ tensor must equal the converted model's shards bit for bit. Each architecture en
 * ``differs`` / ``error``: a bug (none is expected; the test fails on them);
 * ``unbuildable``: its tiny model cannot be built or run here (a missing optional dependency, a
   drafter that needs its target model), before bigdense is involved.
+
+It runs against whatever transformers is installed (the architectures are those it ships), and its
+table's first line and every JSON line name that version (`versions`).
 """
 from __future__ import annotations
 
@@ -31,10 +34,16 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..parallelize.hf import transformers_version
 from .check import compare_pair, converted_pair, merge
 from .ranks import RankError, run_ranks
 
 RTOL = 1e-4
+
+
+def versions() -> dict[str, str]:
+    """What a sweep's results depend on beside bigdense: the installed transformers and torch."""
+    return {"transformers": transformers_version(), "torch": torch.__version__}
 
 
 @dataclass
@@ -169,7 +178,9 @@ def _worst(diffs: dict) -> float:
 def markdown(results: list[ArchResult], tp: int) -> str:
     """The per-architecture table of the docs."""
     counts = {s: sum(r.status == s for r in results) for s in ("exact", "refused", "differs", "error", "unbuildable")}
-    lines = [f"tp={tp}: {len(results)} architectures and variants; " + ", ".join(f"{n} {s}" for s, n in counts.items()),
+    on = ", ".join(f"{k} {v}" for k, v in versions().items())
+    lines = [f"tp={tp} ({on}): {len(results)} architectures and variants; "
+             + ", ".join(f"{n} {s}" for s, n in counts.items()),
              "", "| architecture | result | split over TP | kept whole (why) |", "|---|---|---|---|"]
     for r in results:
         share = f"{r.sharded_fraction:.0%}" if r.sharded_fraction is not None else ""
@@ -197,7 +208,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "a") as f:
             for r in results:
-                f.write(json.dumps({"tp": args.tp, **asdict(r)}) + "\n")
+                f.write(json.dumps({"tp": args.tp, **versions(), **asdict(r)}) + "\n")
     return 0 if all(r.status in ("exact", "refused", "unbuildable") for r in results) else 1
 
 

@@ -12,8 +12,10 @@ job's default corpus), saved as ``tokenizer.json`` with ``</s>`` as its end-of-s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sysconfig
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -60,9 +62,25 @@ def write_pretrained(directory, model_type: str = "llama", *, vocab_size: int = 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     directory = Path(directory)
-    model.save_pretrained(directory, max_shard_size=max_shard_size)
+    with _no_unwrapping():
+        model.save_pretrained(directory, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+@contextlib.contextmanager
+def _no_unwrapping():
+    """``save_pretrained`` first unwraps the model from distributed wrappers through accelerate,
+    which imports DeepSpeed to know its wrapper whenever DeepSpeed is installed (and DeepSpeed
+    prints "Setting accelerator to CPU" as it loads). The model saved here was built a line
+    earlier and wrapped in nothing, so unwrapping is the identity: nothing here uses DeepSpeed."""
+    from transformers import modeling_utils
+
+    if not hasattr(modeling_utils, "unwrap_model"):  # a transformers that saves otherwise: nothing to step around
+        yield
+        return
+    with mock.patch.object(modeling_utils, "unwrap_model", lambda model, recursive=False: model):
+        yield
 
 
 def main(argv=None) -> int:

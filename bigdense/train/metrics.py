@@ -1,7 +1,8 @@
 """What a training run records: JSONL metrics (and the same scalars as TensorBoard event files),
-peak memory, the RMS of every dense layer (weights, activations, gradients), and the loss curve as
-a PNG. (The console line and the progress bar are `launch/train.py`'s; the dense layers' histograms
-are `bigdense.train.histograms`', written here.)
+peak memory, the RMS of every dense layer (weights, activations, gradients), each launch's layout,
+and the loss curve as a PNG, titled with every layout the run has had. (The console line and the
+progress bar are `launch/train.py`'s; the dense layers' histograms are
+`bigdense.train.histograms`', written here.)
 
 Only the main rank writes; every rank takes part in the collectives of `DenseLayerStats`.
 """
@@ -11,6 +12,7 @@ import json
 import math
 import os
 import resource
+import textwrap
 import time
 from pathlib import Path
 from typing import Optional
@@ -59,6 +61,12 @@ class MetricsLog:
                 if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(f"{kind}/{key}", value, record["step"])
             self._tb.flush()
+
+    def write_launch(self, step: int, layout: dict) -> None:
+        """The record of a launch that trains from ``step``: kind ``start`` (step 0) or ``resume``,
+        with its ``layout`` (``{"tp": 2, "dp": 1}``), from which the loss curve's title names each
+        layout of the run and the steps it trained."""
+        self.write({"kind": "resume" if step > 0 else "start", "step": step, "layout": dict(layout)})
 
     def write_histograms(self, histograms: dict, step: int) -> None:
         """Each `bigdense.train.histograms.Histogram` as a TensorBoard histogram tagged by its key, at
@@ -158,28 +166,68 @@ class DenseLayerStats:
                 for (key, *_), s, c in zip(entries, totals[0].tolist(), totals[1].tolist())}
 
 
-def plot_loss_curve(metrics_path: Path, png_path: Path, *, title: str = "", loss_unit: str = "nats/token",
-                    accuracy: bool = False) -> Optional[Path]:
-    """Train and held-out loss against step, from ``metrics.jsonl``; returns the PNG's path.
+LAUNCH_KINDS = ("start", "resume")  # the records `MetricsLog.write_launch` writes
+TITLE_SIZES = (12, 11, 10, 9, 8)  # points: matplotlib's "large" down to what still reads at 110 dpi
 
-    ``title`` names the run (two runs' curves side by side can be told apart); ``loss_unit`` is what
-    the cross-entropy is averaged over; ``accuracy`` adds a panel of held-out top-1/top-5 accuracy
-    (records with ``top1``/``top5``). A dashed line marks each step the run resumed from (records
-    of kind ``resume``).
-    """
+
+def layout_history(records: list[dict]) -> str:
+    """Every layout a run has had, from its launch records and its last step: ``"tp=2 x dp=1"``
+    when there was one, else ``"tp=2 x dp=1 (steps 0-40), tp=1 x dp=2 (steps 40-80)"``. Steps a
+    metrics file has no launch record for (written before launches recorded their layout) are
+    ``"layout not recorded"``; a file with none at all gives ``""``."""
+    launches = [r for r in records if r.get("kind") in LAUNCH_KINDS]
+    if not launches:
+        return ""
+    spans: list[list] = [] if launches[0]["step"] == 0 else [["layout not recorded", 0]]  # [layout, first step]
+    for r in launches:
+        layout = r.get("layout")
+        label = f"tp={layout['tp']} x dp={layout['dp']}" if layout else "layout not recorded"
+        if spans and spans[-1][1] == r["step"]:  # relaunched before training a step: the later layout trains
+            spans.pop()
+        if not spans or spans[-1][0] != label:
+            spans.append([label, r["step"]])
+    if len(spans) == 1:
+        return spans[0][0]
+    last = max(r["step"] for r in records if "step" in r)
+    ends = [first for _, first in spans[1:]] + [last]
+    return ", ".join(f"{label} (steps {first}-{end})" for (label, first), end in zip(spans, ends))
+
+
+def fit_title(fig, lines: list[str]):
+    """``lines`` as the figure's title (``suptitle``), at the largest of `TITLE_SIZES` at which the
+    widest fits the figure's width; at the smallest, lines that still do not fit are wrapped (at
+    spaces and hyphens, a long word broken). A run directory's name under torchrun is a 36-character
+    id, so the title of a long name, its model and its layouts needs this."""
+    renderer = fig.canvas.get_renderer()
+    room = 0.96 * fig.bbox.width  # a margin on either side
+    for size in TITLE_SIZES:
+        title = fig.suptitle("\n".join(lines), fontsize=size)
+        width = title.get_window_extent(renderer).width
+        if width <= room:
+            return title
+    chars = int(max(map(len, lines)) * room / width)  # characters that fit in a line, about
+    while True:
+        title.set_text("\n".join(part for line in lines for part in textwrap.wrap(line, max(chars, 8))))
+        if title.get_window_extent(renderer).width <= room or chars <= 8:
+            return title
+        chars -= 2
+
+
+def loss_curve_figure(records: list[dict], *, title: str = "", loss_unit: str = "nats/token", accuracy: bool = False):
+    """The figure `plot_loss_curve` saves, from ``metrics.jsonl``'s records (None without train records)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
     train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     resumes = sorted({r["step"] for r in records if r.get("kind") == "resume"})
     if not train:
         return None
     panels = 2 if accuracy and any("top1" in r for r in evals) else 1
-    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4), squeeze=False)
+    # Constrained layout keeps room for the title above the panels, whatever its number of lines.
+    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4), squeeze=False, layout="constrained")
     ax = axes[0][0]
     ax.plot(*zip(*train), label="train loss")
     if evals:
@@ -197,9 +245,29 @@ def plot_loss_curve(metrics_path: Path, png_path: Path, *, title: str = "", loss
         a.set_xlabel("step")
         a.grid(alpha=0.3)
         a.legend()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
+    lines = [line for line in (title, layout_history(records)) if line]
+    if lines:
+        extra = fit_title(fig, lines).get_text().count("\n")
+        fig.set_size_inches(7 * panels, 4 + 0.2 * extra)  # the panels keep their height under a longer title
+    return fig
+
+
+def plot_loss_curve(metrics_path: Path, png_path: Path, *, title: str = "", loss_unit: str = "nats/token",
+                    accuracy: bool = False) -> Optional[Path]:
+    """Train and held-out loss against step, from ``metrics.jsonl``; returns the PNG's path.
+
+    ``title`` names the run (two runs' curves side by side can be told apart); the title adds
+    every layout the run has had (`layout_history`), and fits the figure's width (`fit_title`).
+    ``loss_unit`` is what the cross-entropy is averaged over; ``accuracy`` adds a panel of held-out
+    top-1/top-5 accuracy (records with ``top1``/``top5``). A dashed line marks each step the run
+    resumed from (records of kind ``resume``).
+    """
+    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    fig = loss_curve_figure(records, title=title, loss_unit=loss_unit, accuracy=accuracy)
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt  # after `loss_curve_figure` chose the Agg backend
+
     tmp = png_path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
     plt.close(fig)

@@ -17,10 +17,14 @@ ranks skip together and lower the scale together. The scale and its growth count
 device and are updated there (``torch._amp_update_scale_``), unscaling is one foreach kernel that
 also finds infs/nans (``torch._amp_foreach_non_finite_check_and_unscale_``): the engines' step
 reads nothing back to the host.
+
+On a CPU without native bf16 (fp16) matrix multiplies torch emulates them, and mixed precision is
+slower than fp32, not faster: `warn_if_cpu_emulates` says so in the run's log.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Iterable, Optional
 
@@ -32,7 +36,14 @@ from ..errors import ConfigError, check_choice, check_positive_int
 from ..parallel.sharding import local_tensor
 from .clip import unique_params
 
+log = logging.getLogger("bigdense")
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The CPU instructions torch's bf16/fp16 matrix multiplies (oneDNN) run natively on, as
+# `torch.cpu.get_capabilities` names them. Without any of them a matmul in that dtype is emulated.
+CPU_MATMUL_INSTRUCTIONS = {"bf16": ("avx512_bf16", "amx_bf16"), "fp16": ("avx512_fp16", "amx_fp16")}
+# What emulation cost where it was measured (2-core machines), for the warning.
+EMULATION_COST = {"bf16": "about 5x as long per step of the main job", "fp16": "a matmul about 100x as long"}
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -46,6 +57,31 @@ def check_precision(cfg, device_type: str) -> None:
     DynamicLossScaler.from_config(cfg, None)  # its constructor checks the scaler's settings
     if cfg.dtype == "bf16" and device_type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("precision=bf16: this GPU has no bf16 support; use precision=fp16")
+
+
+def cpu_emulates(dtype: str, capabilities=None) -> bool:
+    """Whether this CPU lacks native matrix multiplies in ``dtype`` ("bf16" or "fp16"; fp32 never),
+    so that torch emulates them: training can then run several times slower than in fp32.
+    ``capabilities``: `torch.cpu.get_capabilities()` unless given; a torch without it counts as
+    emulating (the warning it leads to is then a caution)."""
+    needed = CPU_MATMUL_INSTRUCTIONS.get(dtype)
+    if needed is None:
+        return False
+    if capabilities is None:
+        get = getattr(torch.cpu, "get_capabilities", None)
+        capabilities = get() if get is not None else {}
+    return not any(capabilities.get(name) for name in needed)
+
+
+def warn_if_cpu_emulates(dtype: str, device) -> None:
+    """Log a warning when ``precision=dtype`` on a CPU ``device`` runs in emulation (`cpu_emulates`).
+    Rank 0 calls it once per launch: the ranks of one machine share its CPU."""
+    if torch.device(device).type != "cpu" or not cpu_emulates(dtype):
+        return
+    log.warning("precision=%s on a CPU without native %s matrix multiplies (none of %s): torch emulates them, and "
+                "training can run several times slower than with precision=fp32 (%s where measured); precision=fp32 "
+                "is likely the faster choice here.", dtype, dtype, ", ".join(CPU_MATMUL_INSTRUCTIONS[dtype]),
+                EMULATION_COST[dtype])
 
 
 def autocast(dtype: str, device) -> contextlib.AbstractContextManager:

@@ -1,4 +1,6 @@
-"""The per-chunk work of the fused vocab-parallel cross-entropy, and the buffers it reuses.
+"""The fused vocab-parallel cross-entropy's CPU loop (also fp16's on GPUs): the per-chunk work, the
+buffers it reuses, and the loops themselves (`forward_chunks`, `recompute_chunks`; the GPU loop in
+`ce_gpu` has the same two, with the same arguments).
 
 `ChunkBuffers` holds everything of chunk size or larger that the loss needs, allocated once per
 call and reused by every chunk: the fp32 logits (two slots on GPUs, where one chunk's collective
@@ -17,6 +19,7 @@ a multiple of 128 tokens (the tile of tensor-core GEMMs).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -35,6 +38,32 @@ WEIGHT_GRAD_BLOCK_BYTES = 16 * 2**20  # rows of the weight gradient formed at on
 EXP_FLOOR = -87.0
 CPU_TOKEN_MULTIPLE = 16  # chunks of a multiple of the vector width: a column reduction over 1,342
 # tokens ran at 2.7 ns per element, over 1,344 at 0.85
+
+
+@dataclass(frozen=True)
+class TokenInputs:
+    """What either chunk loop reads per token, formed once per call by `fused_ce`: ``t_local`` (N,)
+    the target's index among this rank's classes (0 off-shard), ``in_shard`` (N,) whether this rank
+    holds it (and the token counts), ``offset`` (N,) fp32 or None, added to the target's logit (a
+    margin; 0 off-shard), ``real`` (C_local,) bool or None, a sample's real rows, ``weight`` (N,)
+    fp32 d loss / d loss_i, ``valid`` (N,) the tokens that count (None in the recompute backward)."""
+
+    t_local: torch.Tensor
+    in_shard: torch.Tensor
+    offset: Optional[torch.Tensor]
+    real: Optional[torch.Tensor]
+    weight: torch.Tensor
+    valid: Optional[torch.Tensor]
+
+
+def grad_buffers(hc_all: torch.Tensor, wc: torch.Tensor, wanted, grad_h_dtype: torch.dtype,
+                 grad_w_dtype: torch.dtype):
+    """(grad_h, grad_w, grad_b) where ``wanted`` (None elsewhere): grad_h uninitialised (each chunk
+    writes its rows), grad_w zeroed, grad_b zeroed in fp32."""
+    need_h, need_w, need_b = wanted
+    return (torch.empty(hc_all.shape, dtype=grad_h_dtype, device=hc_all.device) if need_h else None,
+            torch.zeros(wc.shape, dtype=grad_w_dtype, device=wc.device) if need_w else None,
+            torch.zeros(wc.shape[0], dtype=torch.float32, device=wc.device) if need_b else None)
 
 
 def logits_slots(group_size: int, device_type: str) -> int:
@@ -217,3 +246,76 @@ def _fp32_grads_unscaled(pt, factor, at_target, t_local, hc, wc, rows: slice, gr
 def cast_operands(h, weight, bias, dtype) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Operands in the matmul dtype, cast once per call rather than once per chunk."""
     return h.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def forward_chunks(hc_all, wc, bc, weight_dtype, tokens: TokenInputs, wanted, cfg):
+    """Every chunk of the forward on this loop (`fused_ce` says when it runs): per-token losses, lse,
+    target logits (None without a margin) and the fp32 ``(grad_h, grad_w, grad_b)`` where ``wanted``
+    (``weight_dtype`` is unused: this loop's gradients are fp32, cast by the caller). ``cfg`` is the
+    call's `fused_ce.CEConfig`."""
+    n_tokens = hc_all.shape[0]
+    t_local, in_shard, offset, real = tokens.t_local, tokens.in_shard, tokens.offset, tokens.real
+    token_weight, valid = tokens.weight, tokens.valid
+    need_h, need_w, need_b = wanted
+    smoothing = cfg.label_smoothing > 0
+    slots = logits_slots(comm.group_size(cfg.group), hc_all.device.type)
+    bufs = ChunkBuffers(wc, n_tokens, cfg.chunk_size, slots, need_w)
+    losses = torch.zeros(n_tokens, dtype=torch.float32, device=wc.device)
+    lse_all = torch.empty(n_tokens, dtype=torch.float32, device=wc.device)
+    z_target_all = None if offset is None else torch.empty(n_tokens, dtype=torch.float32, device=wc.device)
+    grads = grad_buffers(hc_all, wc, wanted, torch.float32, torch.float32)
+    grads_now = need_h or need_w or need_b
+
+    def finish(rows: slice, zt, stats, started) -> None:
+        """Everything of a chunk that needs the other ranks' statistics."""
+        lse, z_target, z_sum = finish_combine(started)
+        lse_all[rows] = lse
+        if z_target_all is not None:
+            z_target_all[rows] = z_target
+        loss = lse - (1.0 - cfg.label_smoothing) * z_target
+        if smoothing:
+            loss = loss - (cfg.label_smoothing / cfg.smoothing_classes) * z_sum
+        losses[rows] = torch.where(valid[rows], loss, 0.0)
+        if grads_now:
+            # exp(z - m_local) * exp(m_local - lse) is the softmax; 0 where this rank scores no class
+            # (a sample's padding only), also when no rank does (lse = -inf: every token is ignored).
+            scale = torch.where(stats[0] == float("-inf"), 0.0, torch.exp(stats[0] - lse))
+            chunk_grads(zt, scale, t_local[rows], in_shard[rows], token_weight[rows],
+                        hc_all[rows], wc, rows, grads, bufs, cfg.label_smoothing, cfg.smoothing_classes)
+
+    pending = None
+    for index, lo in enumerate(range(0, n_tokens, cfg.chunk_size)):
+        rows = slice(lo, min(lo + cfg.chunk_size, n_tokens))
+        zt = bufs.logits(hc_all[rows], wc, bc, index % len(bufs.fp32))
+        if offset is not None:
+            add_at_target_(zt, t_local[rows], offset[rows])
+        stats = chunk_stats(zt, t_local[rows], in_shard[rows], smoothing, real)  # z := exp(z - m_local)
+        started = start_combine(stats, cfg.group)
+        if pending is not None:  # the previous chunk's statistics arrived while this chunk's matmul ran
+            finish(*pending)
+        pending = (rows, zt, stats, started)
+        if slots == 1:  # the next chunk would overwrite the only slot
+            finish(*pending)
+            pending = None
+    if pending is not None:
+        finish(*pending)
+    return losses, lse_all, z_target_all, grads
+
+
+def recompute_chunks(hc_all, wc, bc, weight_dtype, tokens: TokenInputs, lse, wanted, cfg):
+    """The recompute strategy's backward on this loop: each chunk's logits again, its gradient from
+    the forward's ``lse``; the fp32 ``(grad_h, grad_w, grad_b)`` where ``wanted``."""
+    n_tokens = hc_all.shape[0]
+    need_h, need_w, need_b = wanted
+    bufs = ChunkBuffers(wc, n_tokens, cfg.chunk_size, 1, need_w)
+    grads = grad_buffers(hc_all, wc, wanted, torch.float32, torch.float32)
+    for lo in range(0, n_tokens, cfg.chunk_size):
+        rows = slice(lo, min(lo + cfg.chunk_size, n_tokens))
+        p = bufs.logits(hc_all[rows], wc, bc, 0)
+        if tokens.offset is not None:
+            add_at_target_(p, tokens.t_local[rows], tokens.offset[rows])
+        # (lse = -inf only where no rank scores a class, so every token is ignored: its weight is 0)
+        exp_shifted_(p, lse[rows])
+        chunk_grads(p, 1.0, tokens.t_local[rows], tokens.in_shard[rows], tokens.weight[rows], hc_all[rows], wc, rows,
+                    grads, bufs, cfg.label_smoothing, cfg.smoothing_classes)
+    return grads

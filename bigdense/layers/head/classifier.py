@@ -7,9 +7,10 @@ never holds the logits.
     face = bd.ParallelClassifierHead(512, 3_000_000, bias=False, shard="world", sample_rate=0.1,
                                      margin="arcface")  # Partial FC: InsightFace's recipe
 
-The head is a `ColumnParallelLinear` over classes (so ``from_dense``/``to_dense``/``load_dense_``,
-TP-invariant init and shard specs come with it); ``loss`` and ``predict`` work chunk by chunk over
-tokens so the per-rank logits working set is (chunk, classes_local), never (tokens, classes_local).
+The head is a `ColumnParallelLinear` over classes (so ``from_dense``/``to_dense``/``load_dense_``
+with an ``nn.Linear`` as its plain twin, TP-invariant init and shard specs come with it); ``loss``
+and ``predict`` work chunk by chunk over tokens so the per-rank logits working set is (chunk,
+classes_local), never (tokens, classes_local).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from ..init import InitSpec, init_bias_
 from ..linear import ColumnParallelLinear
 from .margin import MarginSpec, resolve_margin
 from .sampling import check_sample_rate
-from .fused_ce import CEConfig, FusedVocabParallelCE, auto_chunk_size
+from .fused_ce import CEConfig, FusedVocabParallelCE, auto_chunk_size, loss_chunk_tokens
 
 _REDUCTIONS = ("mean", "sum", "none")
 _STRATEGIES = ("forward", "recompute")
@@ -44,9 +45,13 @@ class ParallelClassifierHead(ColumnParallelLinear):
     TP rank.
 
     ``chunk_size``: tokens per chunk in ``loss`` and ``predict``. ``None`` picks the largest chunk
-    whose fp32 logits on the rank with the most classes (scored classes, when sampling) fit in one
-    buffer of ``ce_chunks.AUTO_CHUNK_BYTES`` (128 MiB on CPU, at least 64 tokens; 512 MiB on GPUs;
-    see `bigdense.layers.head.ce_chunks.auto_chunk_size`).
+    whose logits on the rank with the most classes (scored classes, when sampling) fit the loop's
+    budget: on CPU (and for fp16) fp32 logits in one buffer of ``ce_chunks.AUTO_CHUNK_BYTES`` (128
+    MiB on CPU, at least 64 tokens; 512 MiB on GPUs; `bigdense.layers.head.ce_chunks.auto_chunk_size`),
+    on GPUs in bf16/fp32 ``ce_gpu.KERNEL_LOGITS_BYTES`` of logits in the matmul dtype
+    (`bigdense.layers.head.ce_gpu.kernel_chunk_tokens`).
+    ``fp32_weight_grad``: on the GPU loop, accumulate the weight's gradient in fp32 even for bf16
+    weights (twice its memory; docs/heads.md gives the accuracy of both); elsewhere it always is.
     ``grad_strategy``: ``"forward"`` (form the gradients while the forward has each chunk's logits:
     3 matmuls) or ``"recompute"`` (recompute the logits in the backward: 4 matmuls, lets you call
     backward twice); see `bigdense.layers.head.fused_ce` for the measurements behind the default.
@@ -100,6 +105,7 @@ class ParallelClassifierHead(ColumnParallelLinear):
         scale: float = 64.0,
         chunk_size: Optional[int] = None,
         grad_strategy: str = "forward",
+        fp32_weight_grad: bool = False,
         sequence_parallel: bool = False,
         init: InitSpec = "torch",
         tp_group=None,
@@ -137,6 +143,7 @@ class ParallelClassifierHead(ColumnParallelLinear):
         self._dp_blocks = DPBlocks()  # how DP ranks' tokens are gathered (world sharding, sampling)
         self.chunk_size = chunk_size
         self.grad_strategy = grad_strategy
+        self.fp32_weight_grad = bool(fp32_weight_grad)
         self.sample_rate = float(sample_rate)
         self.margin = self_margin
 
@@ -170,6 +177,24 @@ class ParallelClassifierHead(ColumnParallelLinear):
             f"{self.classes_local} (from {self.class_start}), shard={self.shard!r} over {self.tp_size} ranks, "
             f"sample_rate={self.sample_rate}, margin={self.margin}, chunk_size={self.chunk_size}{tied}"
         )
+
+    # ---- the plain twin (`DenseTwin`, through `ColumnParallelLinear`) ----
+    @classmethod
+    def _empty_from_dense(cls, linear, **options):
+        if options.get("margin") is not None and linear.bias is not None:
+            raise ValueError(f"{cls.__name__}.from_dense: margin={options['margin']!r} normalises the class vectors, "
+                             f"so the head has no bias; got an nn.Linear with a bias")
+        return super()._empty_from_dense(linear, **options)
+
+    def to_dense(self):
+        """``nn.Linear(in_features, num_classes, bias=...)`` with every class's weight (and bias), on
+        every rank: a collective over the ranks the classes are split over (the TP group, or every
+        rank with ``shard="world"``). Its forward is the full logits ``h W^T + b``. What the head adds
+        is not in it, as none of it is a weight: the loss's chunking and gradient strategy, the
+        class sampling (a loss option), the margin and its ``scale`` (``logits`` here are then
+        ``scale * cos``; the twin's are the plain product), the sharding and the tie to an
+        embedding (the twin holds a copy). ``from_dense(twin, margin=..., shard=...)`` puts them back."""
+        return super().to_dense()
 
     def reset_parameters(self) -> None:
         if getattr(self, "_tied_embedding", None) is None:  # (the constructor calls this before setting it)
@@ -259,7 +284,8 @@ class ParallelClassifierHead(ColumnParallelLinear):
             label_smoothing=float(label_smoothing),
             ignore_index=x.classes.ignore_index,
             reduction=reduction,
-            chunk_size=self.chunk_size or auto_chunk_size(x.classes.largest_shard, h.device.type),
+            chunk_size=self.chunk_size or loss_chunk_tokens(x.classes.largest_shard, device_type, compute_dtype,
+                                                            comm.group_size(self.tp_group)),
             strategy="recompute" if reduction == "none" else self.grad_strategy,
             compute_dtype=compute_dtype,
             # Under sequence parallelism the gather's backward reduce-scatters the partial gradient.
@@ -272,6 +298,7 @@ class ParallelClassifierHead(ColumnParallelLinear):
             grad_group=self.groups.tp if x.rows is not None else None,
             rows=x.rows,
             sample=x.classes.sample,
+            fp32_weight_grad=self.fp32_weight_grad,
         )
         out = schedule.tag(FusedVocabParallelCE.apply(x.h, x.classes.weight, x.classes.bias, x.classes.target,
                                                       x.target_offset, cfg))

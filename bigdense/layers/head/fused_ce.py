@@ -35,9 +35,11 @@ for the same peak memory -- in both, the peak is the weight, its gradient and on
 of logits; only *when* the gradient buffer appears differs. Its cost is that the gradients exist
 from the forward on, and a loss can only be backpropagated once.
 
-Across ranks on GPUs, each chunk's all-gather of statistics is started and left running while the
-next chunk's logits are computed (two fp32 logits buffers), then finished; the buffers, the chunk
-sizes per device and the blocked low-precision weight gradient are in `ce_chunks`.
+The chunks run in one of two loops with the same contract: `ce_chunks` on CPU (and for fp16),
+fp32 logits classes-major and fp32 gradients; `ce_gpu` on GPUs (`kernel_path` decides), logits in
+the matmul dtype tokens-major, two Triton kernels per chunk, gradients in the operands' dtypes.
+Across ranks on GPUs, in both, each chunk's all-gather of statistics is started and left running
+while the next chunk's logits are computed (two logits buffers), then finished.
 """
 from __future__ import annotations
 
@@ -50,10 +52,9 @@ from ...host_checks import checks_enabled
 from ...parallel import comm
 from ...parallel.autocast import no_autocast
 from .sampling import SampleRows
-from .ce_chunks import (  # noqa: F401 - auto_chunk_size is part of this module's interface
-    AUTO_CHUNK_BYTES, ChunkBuffers, add_at_target_, auto_chunk_size, cast_operands, chunk_grads, chunk_stats,
-    exp_shifted_, finish_combine, logits_slots, start_combine,
-)
+from . import ce_chunks, ce_gpu
+from .ce_chunks import TokenInputs, auto_chunk_size, cast_operands  # noqa: F401 - auto_chunk_size: this module's interface
+from .ce_gpu import kernel_chunk_tokens, kernel_path
 
 @dataclass(frozen=True)
 class CEConfig:
@@ -74,6 +75,8 @@ class CEConfig:
     grad_group: Optional[comm.ProcessGroup] = None
     rows: Optional["RowBlocks"] = None  # the tokens are every DP rank's, gathered (classes split over DP too)
     sample: Optional[SampleRows] = None  # the classes are a sample padded to a static capacity
+    # GPU path (`ce_gpu`): accumulate the weight gradient in fp32 whatever the weight's dtype.
+    fp32_weight_grad: bool = False
 
     @property
     def smoothing_classes(self):
@@ -147,7 +150,6 @@ def _forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
     need_off = need_off and target_offset is not None
     grads_now = cfg.grad_wanted and cfg.strategy == "forward" and (need_h or need_w or need_b or need_off)
     n_tokens, c_local = h.shape[0], weight.shape[0]
-    smoothing = cfg.label_smoothing > 0
 
     valid = target != cfg.ignore_index
     # Labels out of range reach here only with host checks off: their loss and weight become NaN.
@@ -163,50 +165,12 @@ def _forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
     real = None if cfg.sample is None else cfg.sample.real
 
     hc_all, wc, bc = cast_operands(h, weight, bias, cfg.compute_dtype)
-    slots = logits_slots(comm.group_size(cfg.group), h.device.type)
-    bufs = ChunkBuffers(wc, n_tokens, cfg.chunk_size, slots, grads_now and need_w)
-    losses = torch.zeros(n_tokens, dtype=torch.float32, device=h.device)
-    lse_all = torch.empty(n_tokens, dtype=torch.float32, device=h.device)
-    z_target_all = torch.empty(n_tokens, dtype=torch.float32, device=h.device) if need_off else None
-    grads = (None, None, None)
-    if grads_now:
-        grads = (torch.empty(n_tokens, h.shape[1], dtype=torch.float32, device=h.device) if need_h else None,
-                 torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None,
-                 torch.zeros(c_local, dtype=torch.float32, device=h.device) if need_b else None)
-
-    def finish(rows: slice, zt, stats, started) -> None:
-        """Everything of a chunk that needs the other ranks' statistics."""
-        lse, z_target, z_sum = finish_combine(started)
-        lse_all[rows] = lse
-        if z_target_all is not None:
-            z_target_all[rows] = z_target
-        loss = lse - (1.0 - cfg.label_smoothing) * z_target
-        if smoothing:
-            loss = loss - (cfg.label_smoothing / cfg.smoothing_classes) * z_sum
-        losses[rows] = torch.where(valid[rows], loss, 0.0)
-        if grads_now:
-            # exp(z - m_local) * exp(m_local - lse) is the softmax; 0 where this rank scores no class
-            # (a sample's padding only), also when no rank does (lse = -inf: every token is ignored).
-            scale = torch.where(stats[0] == float("-inf"), 0.0, torch.exp(stats[0] - lse))
-            chunk_grads(zt, scale, t_local[rows], in_shard[rows], token_weight[rows],
-                        hc_all[rows], wc, rows, grads, bufs, cfg.label_smoothing, cfg.smoothing_classes)
-
-    pending = None
-    for index, lo in enumerate(range(0, n_tokens, cfg.chunk_size)):
-        rows = slice(lo, min(lo + cfg.chunk_size, n_tokens))
-        zt = bufs.logits(hc_all[rows], wc, bc, index % len(bufs.fp32))
-        if offset is not None:
-            add_at_target_(zt, t_local[rows], offset[rows])
-        stats = chunk_stats(zt, t_local[rows], in_shard[rows], smoothing, real)  # z := exp(z - m_local)
-        started = start_combine(stats, cfg.group)
-        if pending is not None:  # the previous chunk's statistics arrived while this chunk's matmul ran
-            finish(*pending)
-        pending = (rows, zt, stats, started)
-        if slots == 1:  # the next chunk would overwrite the only slot
-            finish(*pending)
-            pending = None
-    if pending is not None:
-        finish(*pending)
+    tokens = TokenInputs(t_local, in_shard, offset, real, token_weight, valid)
+    wanted = (need_h, need_w, need_b) if grads_now else (False, False, False)
+    loop = ce_gpu if kernel_path(h.device.type, cfg.compute_dtype) else ce_chunks
+    losses, lse_all, z_target_all, grads = loop.forward_chunks(hc_all, wc, bc, weight.dtype, tokens, wanted, cfg)
+    if not need_off:
+        z_target_all = None
     grad_h, grad_w, grad_b = grads
 
     grad_offset = _target_offset_grad(z_target_all, lse_all, token_weight, cfg) if need_off else None
@@ -230,6 +194,13 @@ def _forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
         return losses
     total = losses.sum()
     return total / count if cfg.reduction == "mean" else total
+
+
+def loss_chunk_tokens(max_local_classes: int, device_type: str, compute_dtype: torch.dtype, group_size: int) -> int:
+    """Tokens per chunk of the fused loss, by the path that will run it (every rank the same)."""
+    if kernel_path(device_type, compute_dtype):
+        return kernel_chunk_tokens(max_local_classes, compute_dtype.itemsize, group_size)
+    return auto_chunk_size(max_local_classes, device_type)
 
 
 def _target_offset_grad(z_target, lse, token_weight, cfg: CEConfig) -> torch.Tensor:
@@ -324,19 +295,11 @@ def _recompute_backward(ctx, grad_out):
     # Per-token weight of d(loss)/d(loss_i), times the incoming gradient (a scalar or one per token).
     token_weight = ctx.token_weight * _incoming_per_token(ctx, grad_out)
     hc_all, wc, bc = cast_operands(h, weight, bias, cfg.compute_dtype)
-    bufs = ChunkBuffers(wc, n_tokens, cfg.chunk_size, 1, need_w)
-    grad_h = torch.empty(n_tokens, h.shape[1], dtype=torch.float32, device=h.device) if need_h else None
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_w else None
-    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_b else None
-    for lo in range(0, n_tokens, cfg.chunk_size):
-        rows = slice(lo, min(lo + cfg.chunk_size, n_tokens))
-        p = bufs.logits(hc_all[rows], wc, bc, 0)
-        if offset is not None:
-            add_at_target_(p, ctx.t_local[rows], offset[rows])
-        # (lse = -inf only where no rank scores a class, so every token is ignored: its weight is 0)
-        exp_shifted_(p, ctx.lse[rows])
-        chunk_grads(p, 1.0, ctx.t_local[rows], ctx.in_shard[rows], token_weight[rows], hc_all[rows], wc, rows,
-                    (grad_h, grad_w, grad_b), bufs, cfg.label_smoothing, cfg.smoothing_classes)
+    real = None if cfg.sample is None else cfg.sample.real
+    tokens = TokenInputs(ctx.t_local, ctx.in_shard, offset, real, token_weight, None)
+    loop = ce_gpu if kernel_path(h.device.type, cfg.compute_dtype) else ce_chunks
+    grad_h, grad_w, grad_b = loop.recompute_chunks(hc_all, wc, bc, weight.dtype, tokens, ctx.lse,
+                                                   (need_h, need_w, need_b), cfg)
     if grad_h is not None and n_tokens and cfg.sum_grad_h:
         comm.all_reduce_(grad_h, cfg.h_group)
     if cfg.rows is not None:  # the weight's gradient is the DP average of every rank's loss gradient
@@ -348,3 +311,4 @@ def _recompute_backward(ctx, grad_out):
         grad_off = _target_offset_grad(ctx.z_target, ctx.lse, token_weight, cfg)
     grads = _cast_grads((grad_h, grad_w, grad_b, grad_off), ctx.dtypes)
     return grads[0], grads[1], grads[2], None, grads[3], None
+
