@@ -105,6 +105,29 @@ def test_a_bad_config_leaves_no_run_directory(tmp_path, small):
     assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
 
 
+@pytest.mark.parametrize("override,message", [
+    ("trainer.cuda_graphs=true", "bigdense: bad config: trainer.cuda_graphs=true cannot be used here: CUDA graphs "
+                                 "record GPU kernels; this run is on cpu"),
+    ("trainer.compile=graph", "bigdense: bad config: trainer.compile='graph' is not one of ['false', 'blocks', 'model']"),
+])
+def test_compile_and_cuda_graph_keys_are_checked_before_anything_runs(tmp_path, small, override, message):
+    # One line naming the key, exit code 2, nothing written.
+    code, out = _run([sys.executable, TRAIN, *small, override], tmp_path)
+    assert code == 2 and out.count(message) == 1, out
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
+
+
+def test_trainer_compile_spellings():
+    from bigdense.errors import ConfigError
+    from bigdense.train.compile import compile_mode
+
+    # true is the key's former boolean: per-block compile, as before.
+    assert [compile_mode(v) for v in (False, None, "none", True, "true", "blocks", "model")] == \
+        ["false", "false", "false", "blocks", "blocks", "blocks", "model"]
+    with pytest.raises(ConfigError, match="trainer.compile"):
+        compile_mode("graphs")
+
+
 DEEPSPEED_FREE = """
 import json, sys
 from bigdense.jobs import build_gpt, parallelize_model, start_run

@@ -2,6 +2,7 @@
 
     python -m bigdense.bench.step                 # gpt_small op counts + a tp=2 timed GPT, ~3 min on 2 cores
     python -m bigdense.bench.step --quick --json step.jsonl
+    python -m bigdense.bench.step --compile model --json step.jsonl   # eager against trainer.compile=model
 
 Three measurements, each of the tile-loop dropout bigdense used to have (``baseline``, kept here
 verbatim as `tiled_dropout`, with host-side checks on as they then always were) against the
@@ -21,6 +22,15 @@ the same run:
 3. **Step time** of a smaller GPT (``--d``, ``--layers``, ``--seq``; dropout 0.1 everywhere, fp32)
    at tp=2 on two gloo CPU processes x 1 thread, through the DDP engine's ``train_step``; the
    two variants alternate step by step so machine noise hits both alike; median.
+
+With ``--compile blocks|model`` (``trainer.compile``'s modes; ``--backend``, default ``aot_eager``,
+which traces forward and backward as inductor does without a C++ compiler) the timed comparison is
+instead the current code eager against the same model compiled, and the compiled run reports the
+graphs its first step compiled -- ``graphs_forward`` (Dynamo's), ``graphs_backward``
+(AOTAutograd's) -- and the ``graph_breaks`` it took (`bigdense.train.compile.GraphCounts`), beside
+the eager step's aten ops and host syncs and the compiled graphs' ``kernels``
+(`bigdense.train.compile_counts`: inductor's generated kernels plus the aten ops it leaves, or
+aot_eager's aten ops; a dispatch-mode count cannot see inside compiled code).
 """
 from __future__ import annotations
 
@@ -173,6 +183,79 @@ def _timed(args):
     return times, syncs, ops
 
 
+def _timed_compiled(args):
+    """Eager against ``args.compile`` (``trainer.compile``'s mode) at tp=2: step times, graph counts
+    of the compiled model's first step, ops and host syncs per step."""
+    import bigdense as bd
+    from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
+    from bigdense.models.gpt import GPT, GPTConfig
+    from bigdense.train.compile import apply_compile
+    from bigdense.train.compile_counts import GraphCounts, no_compile_caches
+    from bigdense.train.engines import EngineSettings, build_engine
+
+    ctx = bd.init_parallel(tp=2)
+    cfg = GPTConfig(vocab_size=args.vocab, d_model=args.d, n_layers=args.layers, n_heads=args.heads,
+                    max_seq_len=args.seq, dropout=0.1, attention_dropout=0.1, head_chunk_size=1024)
+    settings = EngineSettings(engine=EngineConfig(), optim=OptimConfig(warmup_steps=1), precision=PrecisionConfig(),
+                              micro_batch_size=args.batch, max_steps=10**6)
+    engines = {}
+    for name in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model = GPT(cfg, tp_group=ctx.tp_group)
+        if name == "compiled":
+            apply_compile(model, args.compile, args.backend, stage="before_recompute")
+            apply_compile(model, args.compile, args.backend, stage="after_recompute")
+        engines[name] = build_engine(model, ctx, settings)
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    batch = [(idx, idx.roll(-1, dims=1))]
+    times = {name: [] for name in engines}
+    with bd.set_checks(False):
+        with no_compile_caches(), GraphCounts() as graphs:
+            engines["compiled"].train_step(batch)
+        later = GraphCounts().__enter__()  # what the steps after the first compile: nothing, when guards hold
+        for it in range(args.warmup + args.iters):
+            for name, engine in engines.items():
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                engine.train_step(batch)
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
+                if it >= args.warmup:
+                    times[name].append(float(elapsed))
+        later.__exit__(None, None, None)
+        with OpCounter() as counter:  # the eager model's forward and backward, as the graphs cover
+            engines["eager"].model(*batch[0]).backward()  # (a dispatch mode would run compiled code eagerly)
+        engines["eager"].train_step(batch)  # clears those gradients
+        with OpCounter() as step_counter:
+            engines["eager"].train_step(batch)
+    graphs = dict(graphs.as_dict(), recompiled_later=later.graphs_forward + later.graphs_backward,
+                  break_reasons=list(graphs.break_reasons))
+    return times, graphs, (counter.ops, step_counter.syncs)
+
+
+def _report_compiled(args) -> list[dict]:
+    from bigdense.testing import run_ranks
+
+    times, graphs, eager_counts = run_ranks(_timed_compiled, 2, args, timeout=3600, collective_timeout=600)[0]
+    med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    print(f"GPT d={args.d} x {args.layers} layers, {args.heads} heads, vocab {args.vocab}, batch {args.batch}, "
+          f"seq {args.seq}, fp32, dropout 0.1 everywhere, tp=2 on 2 gloo CPU processes x 1 thread, engine.train_step: "
+          f"eager against trainer.compile={args.compile} (backend {args.backend}), median of {args.iters}, interleaved")
+    print(f"  compiled, first step: {graphs['graphs_forward']} forward graph(s), {graphs['graphs_backward']} backward "
+          f"graph(s), {graphs['graph_breaks']} graph break(s){': ' + '; '.join(graphs['break_reasons']) if graphs['break_reasons'] else ''}; "
+          f"{graphs['recompiled_later']} graph(s) compiled by the later steps")
+    print(f"  step time: eager {med['eager']:8.1f} ms   compiled {med['compiled']:8.1f} ms   "
+          f"ratio {med['eager'] / med['compiled']:.2f}x")
+    print(f"  launches per forward + backward: eager {eager_counts[0]} aten ops   compiled {graphs['kernels']} "
+          f"({'generated kernels + aten ops left' if args.backend == 'inductor' else 'aten ops in its graphs'}); "
+          f"clipping and AdamW run eagerly in both")
+    print(f"  host syncs per step: eager {eager_counts[1]}; compiled: no graph break, so none inside its graphs")
+    return [dict(bench="step", metric="compile", compile=args.compile, backend=args.backend, d=args.d,
+                 layers=args.layers, seq=args.seq, batch=args.batch, tp=2, **graphs,
+                 ops_forward_backward_eager=eager_counts[0], host_syncs_eager=eager_counts[1],
+                 step_ms=med["compiled"], step_ms_eager=med["eager"], ratio=med["eager"] / med["compiled"])]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8, help="gpt_small op count: batch")
@@ -184,10 +267,18 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a small timed model and 3 steps")
+    parser.add_argument("--compile", default="false", choices=["false", "blocks", "model"],
+                        help="time eager against trainer.compile=MODE instead, with its graphs and breaks")
+    parser.add_argument("--backend", default="aot_eager", choices=["aot_eager", "inductor", "eager"])
     parser.add_argument("--json", help="append one JSON object per result to this file")
     args = parser.parse_args(argv)
     if args.quick:
         args.d, args.layers, args.seq, args.vocab, args.iters, args.warmup = 64, 2, 64, 1024, 3, 1
+    if args.compile != "false":
+        results = _report_compiled(args)
+        if args.json:
+            append_json_lines(args.json, results)
+        return
 
     from bigdense.testing import run_ranks
 

@@ -1,5 +1,10 @@
 """The random-number generator states a checkpoint restores, so a resumed run draws what an
-uninterrupted one would: torch's CPU generator (dropout masks), CUDA's, python's and numpy's."""
+uninterrupted one would: torch's CPU generator (dropout keys of CPU runs), CUDA's (dropout keys of
+GPU runs), python's and numpy's.
+
+CUDA's are kept twice: every visible device's, and this rank's own device's (``cuda_current``),
+which a rank restores into its own device whatever the machine's device count, so a run resumed
+on another number of GPUs draws the keys the saving rank would have drawn next."""
 from __future__ import annotations
 
 import random
@@ -19,6 +24,7 @@ def capture_rng() -> dict:
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_current"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -34,3 +40,5 @@ def restore_rng(state: dict) -> None:
         cuda_states = state["cuda"]
         if len(cuda_states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda_states)
+    if "cuda_current" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_current"])

@@ -145,7 +145,10 @@ class TrainerConfig:
     checkpoint_verify: str = "node"  # checksums on load: once per "node", "first" reader, "all" readers, "none"
     max_bad_steps: int = 10  # consecutive non-finite steps before rolling back to the last checkpoint (0: never)
     checked_steps: int = 10  # host-side id/label range checks for this many steps, then off (BIGDENSE_CHECKS=1: always)
-    compile: bool = False  # torch.compile each transformer block
+    # torch.compile: false, "blocks" (each transformer block; true means this) or "model" (the whole
+    # forward, embedding to loss, in as few graphs as Dynamo allows)
+    compile: Any = False
+    cuda_graphs: bool = False  # on CUDA, replay the whole training step as one CUDA graph (engine=ddp)
     compile_backend: str = "inductor"  # "inductor", "aot_eager" (no C++ compiler needed) or "eager"
     tensorboard: bool = False  # also write the metrics as TensorBoard event files in <run dir>/tensorboard
     log_histograms: bool = True  # with tensorboard: also every dense layer's weight and gradient histograms

@@ -22,7 +22,8 @@ from ..models.hf_dir import HFDirectory
 from ..models.gpt import ATTENTION_DROPOUT_MODES, check_heads
 from ..parallel.context import ParallelDims
 from ..train.checkpointing import check_checkpointing
-from ..train.compile import check_compile
+from ..train.compile import check_compile, compile_mode
+from ..train.cuda_graphs import check_cuda_graphs
 from ..train.engines import EngineSettings
 from ..train.engines.factory import check_engine
 from ..train.precision import check_precision
@@ -48,7 +49,11 @@ def validate(cfg, world_size: int, device_type: str) -> ParallelDims:
     for key in ("trainer.eval_interval", "trainer.save_interval", "trainer.checked_steps"):
         group, name = key.split(".")
         check_positive(key, getattr(getattr(cfg, group), name), allow_zero=True)
-    check_compile(cfg.trainer.compile_backend)
+    check_compile(cfg.trainer.compile_backend, cfg.trainer.compile)
+    check_cuda_graphs(bool(cfg.trainer.cuda_graphs), device_type=device_type, engine=str(cfg.engine.kind),
+                      world_size=world_size, compile_mode=compile_mode(cfg.trainer.compile),
+                      recompute=str(cfg.recompute.mode), sampled_head=float(cfg.head.sample_rate) < 1.0,
+                      pruning=float(cfg.prune.sparsity) > 0)
     if cfg.trainer.peak_tflops is not None:
         check_positive("trainer.peak_tflops", cfg.trainer.peak_tflops)
     check_checkpointing(cfg.trainer)

@@ -9,12 +9,17 @@ bigdense.compress`, the memory planner's measurement).
    (DeepSpeed's fp32 masters): ``init_from`` (a checkpoint of any layout), else a Hugging Face
    model's own directory (`load_hf_weights`, each rank reading its shards; a model built on the
    meta device is allocated first). Then frozen embeddings (``model.freeze_embeddings``).
-3. ``torch.compile`` of each transformer block (``trainer.compile``).
+3. ``torch.compile`` of each transformer block (``trainer.compile=blocks``).
 4. Activation checkpointing (the ``recompute`` group), around the compiled blocks.
-5. The engine (the ``engine`` group): data parallelism, precision, the optimizer, clipping.
+5. ``torch.compile`` of the whole model's forward (``trainer.compile=model``), around the
+   checkpointed blocks.
+6. The engine (the ``engine`` group): data parallelism, precision, the optimizer, clipping, and
+   the CUDA-graph capture of the step (``trainer.cuda_graphs``).
 
-As torchtitan's ``parallelize_llama``: TP before compile (it changes the graphs), checkpointing
-after compile (it wraps what was compiled), the engine last (it wraps the finished model).
+As torchtitan's ``parallelize_llama``: TP before compile (it changes the graphs), per-block
+checkpointing after per-block compile (it wraps what was compiled), a whole-model compile after
+checkpointing (it traces the recompute into its backward graph), the engine last (it wraps the
+finished model).
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ from ..models import CausalLM
 from ..parallel.context import ParallelContext
 from ..parallelize import parallelize
 from ..train.checkpointing import model_changes
-from ..train.compile import compile_blocks
+from ..train.compile import apply_compile
 from ..train.engines import Engine, EngineSettings, build_engine
 from ..train.recompute import apply_recompute
 
@@ -70,13 +75,13 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext, cfg, *, init_from:
     if getattr(cfg.model, "freeze_embeddings", False):
         log.info("frozen (model.freeze_embeddings): %s", ", ".join(model.freeze_embeddings()))
     blocks = getattr(model, "blocks", None)
-    if blocks is None and (cfg.trainer.compile or cfg.recompute.mode != "none"):
-        raise ConfigError(f"trainer.compile and recompute.mode act on a model's transformer blocks (its `blocks`); "
+    if blocks is None and cfg.recompute.mode != "none":
+        raise ConfigError(f"recompute.mode acts on a model's transformer blocks (its `blocks`); "
                           f"{type(model).__name__} has none")
-    if blocks is not None and cfg.trainer.compile:
-        compile_blocks(blocks, cfg.trainer.compile_backend)
+    apply_compile(model, cfg.trainer.compile, cfg.trainer.compile_backend, stage="before_recompute")
     if blocks is not None:
         apply_recompute(blocks, cfg.recompute)
+    apply_compile(model, cfg.trainer.compile, cfg.trainer.compile_backend, stage="after_recompute")
     return Parallelized(model, build_engine(model, ctx, EngineSettings.from_run_config(cfg)) if engine else None)
 
 

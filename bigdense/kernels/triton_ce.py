@@ -7,6 +7,11 @@ One program per token row, walking its classes in blocks of ``BLOCK`` columns wi
 * `_softmax_grad_kernel` reads every rank's statistics of its token (R x 2 floats), forms ``lse``,
   then reads each logit and writes its gradient in place (2 + 2 bytes per logit in bf16).
 
+The two entry points, `row_stats` and `softmax_grad_`, launch through torch custom ops
+(``bigdense::ce_row_stats``, ``bigdense::ce_softmax_grad_``, which declare what they mutate), so
+``torch.compile`` of a whole model (``trainer.compile=model``) keeps each launch as one opaque op of
+its graph, with no graph break, on a GPU and through the interpreter alike.
+
 Imported only where the kernels run: a CUDA device, or the interpreter (``TRITON_INTERPRET=1``) on
 CPU tensors, which is how the suite tests them. Values are loaded and computed in fp32 (the
 interpreter does no bf16 arithmetic) and stored in the logits' dtype.
@@ -114,28 +119,28 @@ def _placeholder(pointer: Optional[torch.Tensor], like: torch.Tensor) -> torch.T
     return like if pointer is None else pointer
 
 
-def row_stats(z: torch.Tensor, target: torch.Tensor, offset: Optional[torch.Tensor], real: Optional[torch.Tensor],
-              smoothing: bool, out: torch.Tensor, block: Optional[int] = None) -> torch.Tensor:
-    """`softmax_ce.row_stats` in one launch of ``n`` programs."""
+def _launch_row_stats(z: torch.Tensor, target: torch.Tensor, offset: Optional[torch.Tensor],
+                      real: Optional[torch.Tensor], smoothing: bool, out: torch.Tensor,
+                      block: Optional[int] = None) -> None:
+    """`softmax_ce.row_stats` in one launch of ``n`` programs; writes ``out``."""
     n, n_cols = z.shape
     if n == 0:
-        return out
+        return
     assert z.stride(1) == 1 and out.stride(1) == 1, "row_stats: rows of z and out must be contiguous"
     _row_stats_kernel[(n,)](
         z, z.stride(0), n_cols, target, _placeholder(offset, out), _placeholder(real, target), out, out.stride(0),
         HAS_OFFSET=offset is not None, HAS_REAL=real is not None, SMOOTHING=smoothing,
         BLOCK=_block(n_cols, block), num_warps=NUM_WARPS,
     )
-    return out
 
 
-def softmax_grad_(z: torch.Tensor, stats: torch.Tensor, target: torch.Tensor, offset: Optional[torch.Tensor],
-                  real: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-                  smooth: Optional[torch.Tensor], block: Optional[int] = None) -> torch.Tensor:
-    """`softmax_ce.softmax_grad_` in one launch of ``n`` programs."""
+def _launch_softmax_grad(z: torch.Tensor, stats: torch.Tensor, target: torch.Tensor,
+                         offset: Optional[torch.Tensor], real: Optional[torch.Tensor], weight: torch.Tensor,
+                         eps: float, smooth: Optional[torch.Tensor], block: Optional[int] = None) -> None:
+    """`softmax_ce.softmax_grad_` in one launch of ``n`` programs; writes ``z``."""
     n, n_cols = z.shape
     if n == 0 or n_cols == 0:
-        return z
+        return
     assert z.stride(1) == 1 and stats.stride(2) == 1, "softmax_grad_: rows of z and stats must be contiguous"
     _softmax_grad_kernel[(n,)](
         z, z.stride(0), n_cols, stats, stats.stride(0), stats.stride(1), stats.shape[0],
@@ -144,6 +149,26 @@ def softmax_grad_(z: torch.Tensor, stats: torch.Tensor, target: torch.Tensor, of
         HAS_OFFSET=offset is not None, HAS_REAL=real is not None, SMOOTHING=smooth is not None,
         BLOCK=_block(n_cols, block), num_warps=NUM_WARPS,
     )
+
+
+_row_stats_op = torch.library.custom_op("bigdense::ce_row_stats", _launch_row_stats, mutates_args=("out",))
+_softmax_grad_op = torch.library.custom_op("bigdense::ce_softmax_grad_", _launch_softmax_grad, mutates_args=("z",))
+_row_stats_op.register_fake(lambda *args, **kwargs: None)  # writes its argument, returns nothing
+_softmax_grad_op.register_fake(lambda *args, **kwargs: None)
+
+
+def row_stats(z: torch.Tensor, target: torch.Tensor, offset: Optional[torch.Tensor], real: Optional[torch.Tensor],
+              smoothing: bool, out: torch.Tensor, block: Optional[int] = None) -> torch.Tensor:
+    """`softmax_ce.row_stats` in one launch of ``n`` programs (``bigdense::ce_row_stats``)."""
+    _row_stats_op(z, target, offset, real, smoothing, out, block)
+    return out
+
+
+def softmax_grad_(z: torch.Tensor, stats: torch.Tensor, target: torch.Tensor, offset: Optional[torch.Tensor],
+                  real: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
+                  smooth: Optional[torch.Tensor], block: Optional[int] = None) -> torch.Tensor:
+    """`softmax_ce.softmax_grad_` in one launch of ``n`` programs (``bigdense::ce_softmax_grad_``)."""
+    _softmax_grad_op(z, stats, target, offset, real, weight, eps, smooth, block)
     return z
 
 

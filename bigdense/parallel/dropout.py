@@ -2,7 +2,8 @@
 of a global batch.
 
 Element ``(row, col)`` of a mask is kept when its hash word (`bigdense.parallel.random`'s counter
-hash, keyed by a tensor drawn from torch's default CPU generator, never read on the host) is below
+hash, keyed by a tensor drawn from torch's default generator of the activation's device -- the CPU's
+for CPU tensors -- and never read on the host) is below
 a threshold: a pure function of (key, global row, global column), so a rank applies exactly its
 slice of the mask the unsharded model draws, at any TP and DP size, in a fixed number of tensor
 ops, and torch.compile traces it without a break.
@@ -14,13 +15,19 @@ import math
 
 import torch
 
-from .random import GOLDEN, M1, fmix32, index_words, words_of
+from ..kernels import counter_hash
+from ..kernels.counter_hash import kept
+from .random import GOLDEN, M1, index_words, words_of
 
 
-def draw_dropout_key() -> torch.Tensor:
-    """Two random 32-bit words from torch's default CPU generator, as an int32 tensor of shape (2,):
-    the key of one dropout mask. Never read on the host (no sync; traceable by torch.compile)."""
-    return torch.randint(-(2**31), 2**31, (2,), dtype=torch.int32, device="cpu")
+def draw_dropout_key(device="cpu") -> torch.Tensor:
+    """Two random 32-bit words, as an int32 tensor of shape (2,) on ``device``: the key of one
+    dropout mask, drawn from torch's default generator of that device (the CPU's for a CPU
+    tensor). Never read on the host (no sync; traceable by torch.compile). On an accelerator the
+    draw is a device op: nothing crosses from the host, so a CUDA graph can capture it (CUDA's
+    generator is graph-safe: each replay draws new keys) and activation checkpointing, which
+    restores the device's generator too, redraws the same key."""
+    return torch.randint(-(2**31), 2**31, (2,), dtype=torch.int32, device=device)
 
 
 _batch_slice: tuple[int, int] | None = None
@@ -59,13 +66,32 @@ def keep_mask(key: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int], p
 
 def _keep(key: torch.Tensor, row_words: torch.Tensor, cols: tuple[int, int], p: float, device) -> torch.Tensor:
     """`keep_mask` of the rows whose index words are ``row_words``."""
+    return kept(*_words(key, row_words, cols, device), _threshold(p))
+
+
+def _words(key: torch.Tensor, row_words: torch.Tensor, cols: tuple[int, int], device):
+    """The keyed words of the mask's rows and columns: element (i, j)'s hash is
+    ``fmix32(row_word[i] ^ col_word[j])``."""
     key = key.to(device, non_blocking=True)
-    row_word = row_words ^ key[0]
-    col_word = index_words(cols[0], cols[1], GOLDEN, device) + key[1]
-    word = fmix32(row_word.unsqueeze(1) ^ col_word.unsqueeze(0))  # uniform over the 2^32 words
-    # Kept when the word, read as unsigned, is below (1 - p) * 2^32; shifted into signed order.
-    threshold = int(round((1.0 - p) * 2**32)) - 2**31
-    return word < threshold if threshold <= 2**31 - 1 else torch.ones_like(word, dtype=torch.bool)
+    return row_words ^ key[0], index_words(cols[0], cols[1], GOLDEN, device) + key[1]
+
+
+def _threshold(p: float) -> int:
+    """Kept when the word, read as unsigned, is below (1 - p) * 2^32; shifted into signed order
+    (above 2^31 - 1: every word is kept)."""
+    return int(round((1.0 - p) * 2**32)) - 2**31
+
+
+def _apply(x: torch.Tensor, key: torch.Tensor, row_words: torch.Tensor, cols: tuple[int, int], p: float):
+    """``x`` times its keep-mask (rows ``row_words``, columns ``cols``) times 1 / (1 - p). Eager
+    on CUDA: one Triton pass each way that never stores the mask (`kernels.triton_dropout`); traced
+    by torch.compile, the torch ops, which inductor fuses into one pass each way."""
+    keep_scale = counter_hash.keep_scale
+    if not torch.compiler.is_compiling() and counter_hash.dropout_kernels(x.device) == "triton":
+        from ..kernels.triton_dropout import keep_scale
+    row_word, col_word = _words(key, row_words, cols, x.device)
+    out = keep_scale(x.reshape(row_word.numel(), col_word.numel()), row_word, col_word, _threshold(p), 1.0 / (1.0 - p))
+    return out.view(x.shape)
 
 
 def tp_dropout(
@@ -79,10 +105,10 @@ def tp_dropout(
 ) -> torch.Tensor:
     """Dropout whose mask does not depend on the TP size.
 
-    Each call draws one key from torch's default CPU generator (a tensor, never read on the
-    host), so (a) activation checkpointing, which restores that generator before recomputing,
-    redraws the same mask, and (b) every TP rank draws the same key as long as all ranks were
-    seeded alike. The mask is a pure function of (key, global element index) (`keep_mask`):
+    Each call draws one key from torch's default generator of ``x``'s device (`draw_dropout_key`;
+    a tensor, never read on the host), so (a) activation checkpointing, which restores that
+    generator before recomputing, redraws the same mask, and (b) every TP rank draws the same key
+    as long as all ranks were seeded alike. The mask is a pure function of (key, global element index) (`keep_mask`):
 
     * replicated region (``shard_dim=None``): ``x`` is the whole tensor; every TP rank applies the
       same mask.
@@ -105,7 +131,7 @@ def tp_dropout(
     # it draws the key, so every rank's generator advances alike, and multiplies by its (empty)
     # mask, so its graph saves the same tensors; activation checkpointing then recomputes at the
     # same point of the backward on every rank, and the recomputed collectives stay in step.
-    key = draw_dropout_key()
+    key = draw_dropout_key(x.device)
     shape = list(x.shape)
     if shard_dim is None:
         rows, cols, col_offset = math.prod(shape[:-1]), shape[-1], 0
@@ -121,8 +147,7 @@ def tp_dropout(
         if shard_dim == 0 and _batch_slice is not None:
             raise ValueError("tp_dropout: dim 0 is the data-parallel batch inside batch_slice; it cannot be TP-sharded")
         if shard_dim == x.dim() - 2:
-            keep = _sequence_share_keep(key, shape, global_size, offset, p, x.device)
-            return x * keep.view_as(x) * (1.0 / (1.0 - p))
+            return _apply(x, key, _sequence_share_rows(shape, global_size, offset, x.device), (0, shape[-1]), p)
         # Global tensor viewed as (outer, global_size * inner): a shard is then the same
         # contiguous column range in every row.
         inner = math.prod(shape[shard_dim + 1 :])
@@ -130,12 +155,11 @@ def tp_dropout(
     row_offset = 0
     if _batch_slice is not None:  # rows per batch element: every dim between the batch and the columns
         row_offset = _batch_slice[0] * (math.prod(shape[1:-1]) if shard_dim is None else math.prod(shape[1:shard_dim]))
-    keep = keep_mask(key, (row_offset, rows), (col_offset, cols), p, x.device)
-    return x * keep.view_as(x) * (1.0 / (1.0 - p))
+    return _apply(x, key, index_words(row_offset, rows, M1, x.device), (col_offset, cols), p)
 
 
-def _sequence_share_keep(key, shape, global_size: int, offset: int, p: float, device) -> torch.Tensor:
-    """The keep-mask of a share ``[offset, offset + S_local)`` of dim -2 of ``(*, S, d)``: exactly
+def _sequence_share_rows(shape, global_size: int, offset: int, device) -> torch.Tensor:
+    """The row words of a share ``[offset, offset + S_local)`` of dim -2 of ``(*, S, d)``: exactly
     those rows of the replicated region's mask (whose rows are the flattened leading dims), built
     from one tensor of row indices, so the op count does not grow with the leading dims."""
     slabs = math.prod(shape[:-2])
@@ -146,4 +170,4 @@ def _sequence_share_keep(key, shape, global_size: int, offset: int, p: float, de
         + row0
     ).reshape(-1)
     wide = row0 + slabs * global_size > 2**31  # the word rule the replicated region's rows use
-    return _keep(key, words_of(index, M1, wide), (0, shape[-1]), p, device)
+    return words_of(index, M1, wide)

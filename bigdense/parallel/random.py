@@ -20,6 +20,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..kernels.counter_hash import M1, fmix32  # noqa: F401 - re-exported: the hash of this module
+
 TILE = 512
 # Elements hashed at once by `counter_fill_` on an accelerator: bounds its temporaries (a few
 # int32/fp32 tensors of this size, 64 MiB each) whatever the shard, with few, large kernels.
@@ -171,20 +173,9 @@ def counter_fill_(
     return out
 
 
-# Counter-based hashing in int32 arithmetic, whose multiplications wrap modulo 2^32 on every
-# backend; ">>" is arithmetic on signed integers, so each shift is masked to make it logical.
-# The constants are MurmurHash3's 32-bit finaliser (fmix32), written as signed int32.
-M1, _M2 = 0x85EBCA6B - (1 << 32), 0xC2B2AE35 - (1 << 32)
+# Counter-based hashing in int32 arithmetic: MurmurHash3's finaliser and its constants live with
+# the kernels that hash too (`bigdense.kernels.counter_hash`); GOLDEN spreads column indices.
 GOLDEN = 0x9E3779B9 - (1 << 32)
-
-
-def fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's finaliser on int32 tensors: a bijection of 32-bit words with full avalanche."""
-    h = h ^ ((h >> 16) & 0xFFFF)
-    h = h * M1
-    h = h ^ ((h >> 13) & 0x7FFFF)
-    h = h * _M2
-    return h ^ ((h >> 16) & 0xFFFF)
 
 
 def index_words(start: int, count: int, odd: int, device) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """Activation checkpointing from ``RecomputeConfig``: keep a block's inputs, recompute its inside.
 
 A checkpointed module's forward runs under ``torch.utils.checkpoint.checkpoint(...,
-use_reentrant=False)`` with ``preserve_rng_state`` on: the CPU generator (and the device's) is
-restored before the recompute, so `tp_dropout`, which draws its seeds from torch's default CPU
-generator, redraws exactly the masks of the first forward; the forward's `batch_slice` (the
+use_reentrant=False)`` with ``preserve_rng_state`` on: the CPU generator and the device's are
+restored before the recompute, so `tp_dropout`, which draws its keys from torch's default
+generator of the activation's device, redraws exactly the masks of the first forward; the forward's `batch_slice` (the
 engines' DP row offset) is re-entered around the recompute too. Gradients with and without
 checkpointing are therefore bit-identical. The collectives inside the module (TP all-reduces) run
 again in the recompute, on every TP rank alike.
@@ -42,6 +42,10 @@ def _checkpointed_forward(self, *args, **kwargs):
     if not torch.is_grad_enabled():
         # Evaluation: there is no backward to recompute for.
         return inner(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        # Traced (trainer.compile=model): the forward's batch slice is baked into the ops the
+        # recompute replays, and its dropout keys are saved by the forward; nothing to re-enter.
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
     return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
                       context_fn=_recompute_contexts, **kwargs)
 

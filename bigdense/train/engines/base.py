@@ -28,6 +28,7 @@ from ...parallel.context import ParallelContext
 from ...parallel.dropout import batch_slice
 from ...errors import ConfigError, check_choice, check_positive, check_positive_int
 from ..precision import autocast
+from ..cuda_graphs import check_cuda_graphs
 from ..schedule import check_schedule
 
 
@@ -64,7 +65,7 @@ class EngineSettings:
 
     ``engine``, ``optim`` and ``precision`` are the config groups (`bigdense.config.EngineConfig`,
     `OptimConfig`, `PrecisionConfig`, or anything with their fields); the rest come from ``data``
-    and ``trainer``.
+    and ``trainer`` (``cuda_graphs``: replay the step as a CUDA graph, `bigdense.train.cuda_graphs`).
     """
 
     engine: Any
@@ -73,6 +74,7 @@ class EngineSettings:
     micro_batch_size: int
     max_steps: int
     grad_accum: int = 1
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         check_positive_int("data.micro_batch_size", self.micro_batch_size, ConfigError)
@@ -85,7 +87,7 @@ class EngineSettings:
         """The settings of a whole training config (`bigdense.config.TrainConfig`)."""
         return cls(engine=cfg.engine, optim=cfg.optim, precision=cfg.precision,
                    micro_batch_size=cfg.data.micro_batch_size, grad_accum=cfg.data.grad_accum,
-                   max_steps=cfg.trainer.max_steps)
+                   max_steps=cfg.trainer.max_steps, cuda_graphs=bool(getattr(cfg.trainer, "cuda_graphs", False)))
 
 
 OPTIMIZERS = ("adamw",)  # optim.name: torch's AdamW (DeepSpeed's "torch_adam" in the DeepSpeed engine)
@@ -134,6 +136,7 @@ class Engine:
 
     def __init__(self, model: nn.Module, ctx: ParallelContext, settings: EngineSettings):
         type(self).check_config(settings, ctx.device.type)
+        check_cuda_graphs(settings.cuda_graphs, device_type=ctx.device.type, engine=self.kind, world_size=ctx.world_size)
         self.model = model
         self.ctx = ctx
         self.settings = settings

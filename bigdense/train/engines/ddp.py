@@ -14,6 +14,7 @@ from ...parallel import comm
 from ...parallel.partial_grads import deferred_partial_grad_sums, partial_grad_params, sum_partial_grads_
 from ...errors import check_positive
 from ..clip import clip_grad_norm_, grad_norm
+from ..cuda_graphs import StepGraph
 from ..precision import Precision
 from ..schedule import build_lr_schedule
 from .base import Engine, EngineSettings, StepResult, mesh_group, param_groups
@@ -51,6 +52,10 @@ class DDPEngine(Engine):
     with the counter, and the param groups' LRs made plain floats again, when `checkpoint_state`
     or ``lr`` is read (a host sync, once per save or log); a loaded scheduler state is taken over
     at the next step.
+
+    With ``settings.cuda_graphs`` (``trainer.cuda_graphs``, one CUDA device) the step is recorded
+    once and replayed as a CUDA graph (`bigdense.train.cuda_graphs.StepGraph`); AdamW is then
+    ``capturable``.
     """
 
     kind = "ddp"
@@ -73,6 +78,7 @@ class DDPEngine(Engine):
         self._applied = torch.zeros((), dtype=torch.int64, device=ctx.device)  # applied optimizer steps
         self._keep_masks = MaskKeeper(model)  # pruned weights back to zero after each step (a no-op without masks)
         self._host_epoch = self.scheduler.last_epoch  # the scheduler's value when it last matched
+        self._graph = StepGraph(self._step, self._addresses, ctx.device) if settings.cuda_graphs else None
 
     def _data_parallel(self, model):
         """``model`` under DDP over the DP group (itself when ``dp_size`` is 1)."""
@@ -98,7 +104,16 @@ class DDPEngine(Engine):
         """torch's fused AdamW over ``groups`` with ``optim``'s hyper-parameters."""
         optim_cfg = self.settings.optim
         return torch.optim.AdamW(groups, lr=float(optim_cfg.lr), betas=tuple(float(b) for b in optim_cfg.betas),
-                                 eps=float(optim_cfg.eps), fused=True)
+                                 eps=float(optim_cfg.eps), fused=True, capturable=self.settings.cuda_graphs)
+
+    def _addresses(self) -> tuple:
+        """Where every tensor a recorded step reads and writes across steps lives (`StepGraph`)."""
+        tensors = [self._applied] + [p for p in self._params] + [p.grad for p in self._params]
+        for opt in self._optimizers():
+            tensors += [t for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+        if self.scaler is not None:
+            tensors += [self.scaler.scale_tensor, self.scaler._tracker]
+        return tuple(0 if t is None else t.data_ptr() for t in tensors)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers stepped together (one here; `FSDPEngine` may add one)."""
@@ -112,6 +127,13 @@ class DDPEngine(Engine):
 
     def train_step(self, micro_batches) -> StepResult:
         micro_batches = self._check_micro_batches(micro_batches)
+        if self._graph is not None:
+            self._take_loaded_schedule()  # outside the graph: it may refill the step counter
+            return self._graph.step(micro_batches)
+        return self._step(micro_batches)
+
+    def _step(self, micro_batches) -> StepResult:
+        """One optimizer step over ``micro_batches`` (on the device already); what `StepGraph` records."""
         self.model.train()
         # Cleared here rather than after the step, so the gradients just applied stay readable
         # (the loop's gradient-RMS logging reads them).

@@ -1,0 +1,123 @@
+"""``trainer.cuda_graphs``: its refusals (on every device), and `StepGraph`'s host-side logic on
+CPU with CUDA's graph API replaced by a stand-in whose replay re-runs what was recorded into the
+recorded outputs, as a replay rewrites them in place. What a real capture does on a GPU is
+measured by ``python -m bigdense.bench.gpu`` (docs/performance.md)."""
+import contextlib
+
+import pytest
+import torch
+
+from bigdense.errors import ConfigError
+from bigdense.train import cuda_graphs
+from bigdense.train.cuda_graphs import WARMUP_STEPS, StepGraph, check_cuda_graphs
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(device_type="cpu"), "CUDA graphs record GPU kernels; this run is on cpu"),
+    (dict(device_type="cuda", engine="deepspeed"), "engine.kind=deepspeed"),
+    (dict(device_type="cuda", engine="fsdp"), "engine.kind=fsdp"),
+    (dict(device_type="cuda", world_size=2), "escape the process group's deadline"),
+    (dict(device_type="cuda", recompute="full"), "use trainer.compile=model"),
+    (dict(device_type="cuda", sampled_head=True), "head.sample_rate < 1"),
+    (dict(device_type="cuda", pruning=True), "prune.sparsity > 0"),
+])
+def test_what_cannot_be_recorded_is_refused_with_the_key_and_the_reason(kwargs, reason):
+    with pytest.raises(ConfigError, match="trainer.cuda_graphs=true cannot be used here") as err:
+        check_cuda_graphs(True, **kwargs)
+    assert reason in str(err.value) and "\n" not in str(err.value)
+
+
+def test_what_can_be_recorded_passes():
+    check_cuda_graphs(True, device_type="cuda")
+    check_cuda_graphs(True, device_type="cuda", recompute="full", compile_mode="model")
+    check_cuda_graphs(False, device_type="cpu", engine="deepspeed", world_size=8)
+
+
+def test_checks_kept_on_by_the_environment_are_refused(monkeypatch):
+    monkeypatch.setenv("BIGDENSE_CHECKS", "1")
+    with pytest.raises(ConfigError, match="BIGDENSE_CHECKS=1"):
+        check_cuda_graphs(True, device_type="cuda")
+
+
+def test_the_engine_refuses_it_on_cpu():
+    import bigdense as bd
+    from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
+    from bigdense.train.engines import EngineSettings, build_engine
+
+    ctx = bd.init_parallel(tp=1)
+    settings = EngineSettings(engine=EngineConfig(), optim=OptimConfig(), precision=PrecisionConfig(),
+                              micro_batch_size=1, max_steps=1, cuda_graphs=True)
+    with pytest.raises(ConfigError, match="this run is on cpu"):
+        build_engine(torch.nn.Linear(2, 1), ctx, settings)
+
+
+class _Recorder:
+    """CUDA's graph API on CPU: under ``torch.cuda.graph(g)`` the step runs but its effect on
+    ``weight`` is undone (a capture launches nothing); ``g.replay()`` runs it again and writes its
+    outputs into the recorded ones."""
+
+    def __init__(self, monkeypatch, graph_step, weight):
+        recorder = self
+
+        @contextlib.contextmanager
+        def record(g, stream=None):
+            before = weight.clone()
+            yield
+            weight.copy_(before)
+
+        class Graph:
+            def replay(self):
+                recorder.replays += 1
+                fresh = graph_step.step_fn(graph_step.inputs)
+                for out, new in zip(graph_step.outputs, (fresh.raw[k] for k in fresh.FIELDS)):
+                    out.copy_(new)
+
+        self.replays = 0
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", record)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+
+
+class _Stream:
+    def wait_stream(self, other):
+        pass
+
+
+def test_step_graph_warms_up_eagerly_records_once_then_replays(monkeypatch):
+    from bigdense.host_checks import set_checks
+    from bigdense.train.engines.base import StepResult
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream())
+    state = {"weight": torch.zeros(())}
+    calls = []
+
+    def step(micro_batches):  # a "training step": reads the batch, updates a weight in place
+        calls.append(micro_batches)
+        x, y = micro_batches[0]
+        state["weight"].add_(x.sum() - y.sum())
+        return StepResult(state["weight"] * 1.0, x.sum(), x.sum() < 0, torch.ones(()), torch.ones(()))
+
+    graph = StepGraph(step, lambda: (state["weight"].data_ptr(),), torch.device("cpu"))
+    recorder = _Recorder(monkeypatch, graph, state["weight"])
+    batch = lambda v: [(torch.full((2,), float(v)), torch.zeros(2))]  # noqa: E731
+    with set_checks(False):
+        losses = [graph.step(batch(v)).loss for v in range(1, WARMUP_STEPS + 1)]
+        assert graph.graph is None and len(calls) == WARMUP_STEPS  # warm-up: eager
+        with set_checks(True):  # the loop's checked steps read the device: eager too
+            losses.append(graph.step(batch(10)).loss)
+        assert graph.graph is None
+        losses += [graph.step(batch(v)).loss for v in (5, 7)]
+    # Recorded once (its own call) and replayed for both steps, each on its own batch.
+    assert graph.recorded == 1 and recorder.replays == 2
+    # Each step adds 2 x its batch value to the weight, once: the recording adds nothing.
+    assert losses == [2.0, 6.0, 12.0, 32.0, 42.0, 56.0]
+
+    with set_checks(False), pytest.raises(ValueError, match="trainer.cuda_graphs=true: the step was recorded for"):
+        graph.step([(torch.ones(3), torch.zeros(3))])
+
+    state["weight"] = torch.zeros(())  # a checkpoint loaded: a new tensor where the old one was
+    with set_checks(False):
+        graph.step(batch(1))
+    assert graph.recorded == 2
