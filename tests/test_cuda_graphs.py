@@ -121,3 +121,20 @@ def test_step_graph_warms_up_eagerly_records_once_then_replays(monkeypatch):
     with set_checks(False):
         graph.step(batch(1))
     assert graph.recorded == 2
+
+
+def test_a_loaded_checkpoint_keeps_the_running_optimizers_implementation(tmp_path):
+    # A run with trainer.cuda_graphs builds AdamW capturable; resuming it from a checkpoint saved
+    # without (or the reverse) must not switch that off, or the next capture fails.
+    import bigdense as bd
+
+    bd.init_parallel(tp=1)
+    model = torch.nn.Linear(3, 2)
+    saved_by = torch.optim.AdamW(model.parameters(), lr=0.1, foreach=True)
+    model(torch.ones(1, 3)).sum().backward()
+    saved_by.step()
+    bd.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=saved_by)
+    resumed = torch.optim.AdamW(model.parameters(), lr=0.1, capturable=True, foreach=True)
+    bd.load_checkpoint(tmp_path / "ckpt", model=model, optimizer=resumed)
+    assert resumed.param_groups[0]["capturable"] is True
+    assert resumed.state[model.weight]["exp_avg"].shape == (2, 3)

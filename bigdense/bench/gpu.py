@@ -1,96 +1,220 @@
-"""The reference GPT, the MLP and the head on GPUs: step time, tokens/s, MFU, peak memory.
+"""The reference GPT beside its Hugging Face twin, the MLP and the head on GPUs: step time, tokens/s,
+MFU, how busy the GPU is, peak memory.
 
     python -m bigdense.bench.gpu --json gpu.jsonl            # about 5 minutes on one H100/H200
-    python -m bigdense.bench.gpu --quick --json gpu.jsonl    # gpt_small only, fewer steps
+    python -m bigdense.bench.gpu --quick --json gpu.jsonl    # gpt_small only
     python -m bigdense.bench.gpu --peers [--profile]         # only the head against Liger, CCE, torch (bench/head_gpu.py)
 
 On a CUDA machine, for ``gpt_small`` (124M) and ``gpt_1b`` (a ~1B-parameter config that fits one
-device), in bf16 autocast with fp32 master weights, at tp = 1 and every TP size the GPUs allow
-(a divisor of the heads up to ``torch.cuda.device_count()``; tp > 1 runs one process per GPU on
-NCCL), eager and with ``trainer.compile``'s per-block ``torch.compile``: the DDP engine's
-``train_step`` timed with CUDA events over ``--steps`` steps after warm-up (compilation happens
-in the warm-up), tokens/s, MFU (`bigdense.train.flops`: ``6N + 12 L d S`` FLOPs per token against
-the device's dense bf16 peak) and peak memory. Then the MLP and the vocab-parallel head on one
-GPU against plain PyTorch (nn.Linear MLP; nn.Linear + F.cross_entropy on the full logits).
-Results print as a table; ``--json`` appends one JSON object per result. A run stops starting new
-measurements after ``--budget-s`` seconds and reports what it skipped.
+device), batch 8 x 1024 tokens, dropout 0.1, bf16 autocast with fp32 master weights, the DDP
+engine's ``train_step`` at tp = 1 in four modes:
 
-Without CUDA it says so and runs a 1-step smoke test of the same code path on CPU, then exits 0.
-Needs torch only (no Hydra, no DeepSpeed): models are built from dataclasses.
+* ``eager``;
+* ``blocks``: each block compiled (``trainer.compile=blocks``: `compile_blocks`);
+* ``model``: the whole forward and loss compiled (``trainer.compile=model``: `compile_model`);
+* ``model+cuda_graphs``: that, and the whole step recorded once as a CUDA graph and replayed
+  (``trainer.cuda_graphs``);
+
+and ``eager`` and ``model`` at every TP size > 1 the GPUs allow (a divisor of the heads up to
+``torch.cuda.device_count()``; one process per GPU on NCCL). Beside each model at tp = 1, its
+peer: the Hugging Face GPT-2 of the same shape trained the same way, eager and under
+``torch.compile`` (`bigdense.bench.gpu_peer`; skipped, saying so, without ``transformers``), and
+the ratio of its step time to bigdense's: eager to eager, compiled to bigdense's fastest compiled
+mode.
+
+Every case runs as `bigdense.bench.gpu_profile.measure` does: warm-up steps (``--warmup``, 1;
+compiled modes at least 2, CUDA graphs the engine's eager steps and the recording), ``--steps``
+steps timed back to back with CUDA events, then ``--busy-steps`` under ``torch.profiler`` for
+``gpu_busy``, the fraction of the step's wall time the GPU was working. Reported: step ms,
+tokens/s, MFU (`bigdense.train.flops`: ``6N + 12 L d S`` FLOPs per token against the device's dense
+bf16 peak), peak memory, ``gpu_busy`` and, compiled, the graphs the warm-up compiled and the graph
+breaks (`bigdense.train.compile.GraphCounts`). Then the MLP and the vocab-parallel head on one GPU
+against plain PyTorch (nn.Linear MLP; nn.Linear + F.cross_entropy on the full logits).
+
+Results print as a table; ``--json`` appends one JSON object per result. GPT rows: ``case`` "gpt"
+(bigdense; ``mode`` as above, ``compiled`` = mode is not eager) or "gpt_peer" (``peer``
+"hf_gpt2", ``mode`` eager or compiled, ``compiled``, ``ratio_vs_bigdense`` = peer step ms /
+bigdense step ms and ``vs_mode``, the bigdense mode compared), with ``model``, ``params``, ``tp``,
+``step_ms``, ``tokens_per_s``, ``mfu``, ``peak_mem_gb``, ``gpu_busy``, ``gpu_kernel_ms``, ``loss``;
+compiled, ``graphs_forward``, ``graphs_backward``, ``graph_breaks`` and ``recompiled_later``; a
+case that failed or was skipped has ``error``. A run starts no new measurement after
+``--budget-s`` seconds (240, for about 5 minutes in all: the last case started may compile for a
+minute) and reports what it skipped; gpt_small runs first, and each model's comparisons with the
+peer before its extra modes, so a short budget (or cold compile caches) skips those first.
+
+Without CUDA it says so and runs a smoke test of the same code on CPU, then exits 0: model
+``smoke``, fp32, one timed step of every case but ``model+cuda_graphs`` (skipped: no CUDA), the
+compiled ones with the aot_eager backend; ``gpu_busy`` is None (a CPU has no kernels to time).
+Needs torch only (transformers for the peer; no Hydra, no DeepSpeed): models are built from
+dataclasses and configs, nothing is downloaded.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 
 from . import append_json_lines
+from .gpu_profile import measure, warm_profiler
 
 MODELS = {
     "gpt_small": dict(d_model=768, n_layers=12, n_heads=12, vocab_size=50304, seq=1024, batch=8),
     "gpt_1b": dict(d_model=2048, n_layers=18, n_heads=16, vocab_size=50304, seq=1024, batch=8),
     "smoke": dict(d_model=64, n_layers=2, n_heads=4, vocab_size=512, seq=32, batch=2),
 }
+DROPOUT = 0.1  # embeddings, attention output, MLP output (the probabilities get none: SDPA's fused kernels)
+MODES = ("eager", "blocks", "model", "model+cuda_graphs")  # bigdense at tp = 1
+TP_MODES = ("eager", "model")  # tp > 1 (CUDA graphs record one process only)
+PEER_MODES = ("eager", "compiled")
+# The order of a model's cases at tp = 1: both comparisons with the peer first, so that a spent
+# budget skips the extra modes rather than a ratio.
+CASE_ORDER = (("gpt", "eager"), ("gpt_peer", "eager"), ("gpt", "model"), ("gpt_peer", "compiled"),
+              ("gpt", "model+cuda_graphs"), ("gpt", "blocks"))
+# On a CPU: every case but the CUDA graph one, compiled with aot_eager.
+SMOKE_SKIPS = {("gpt", "model+cuda_graphs"): "skipped: CUDA graphs record GPU kernels; no CUDA here"}
 
 
-def _gpt_case(model: str, tp: int, compiled: bool, steps: int, warmup: int, device: torch.device, ctx) -> dict:
-    """One measurement on this rank; the result is the same dict on every rank (timings: max)."""
+@dataclass(frozen=True)
+class Schedule:
+    """How every case runs: untimed, timed and profiled steps, and the compile backend."""
+
+    steps: int
+    warmup: int
+    busy_steps: int
+    backend: str  # "inductor" on CUDA, "aot_eager" for the CPU smoke test (no C++ compiler needed)
+
+
+def _warmup_steps(mode: str, asked: int) -> int:
+    """Untimed steps before timing ``mode``: what was asked, and at least what leaves nothing to
+    compile or record in the timed steps."""
+    if mode == "model+cuda_graphs":
+        from bigdense.train.cuda_graphs import WARMUP_STEPS
+
+        return max(asked, WARMUP_STEPS + 1)  # the engine's eager steps, then the one that records
+    if mode != "eager":
+        return max(asked, 2)  # the first compiles forward and backward; the second shows nothing recompiles
+    return asked
+
+
+def _gpt_config(spec: dict):
+    from bigdense.models.gpt import GPTConfig
+
+    return GPTConfig(vocab_size=spec["vocab_size"], d_model=spec["d_model"], n_layers=spec["n_layers"],
+                     n_heads=spec["n_heads"], max_seq_len=spec["seq"], dropout=DROPOUT, head_chunk_size=4096)
+
+
+def _optim():
+    from bigdense.config import OptimConfig
+
+    return OptimConfig(warmup_steps=10)
+
+
+def _precision(device: torch.device) -> str:
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
+def _tokens(spec: dict, device: torch.device) -> torch.Tensor:
+    """The one batch every case trains on, (batch, seq) token ids; the same for every contender."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, spec["vocab_size"], (spec["batch"], spec["seq"]), generator=gen).to(device)
+
+
+def _gpt_case(model: str, tp: int, mode: str, sched: Schedule, device: torch.device, ctx) -> dict:
+    """bigdense's GPT through the DDP engine in ``mode``, on this rank; the same row on every rank
+    (step time: the slowest rank's)."""
     import bigdense as bd
-    from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
-    from bigdense.models.gpt import GPT, GPTConfig
-    from bigdense.train.compile import compile_blocks
+    from bigdense.config import EngineConfig, PrecisionConfig
+    from bigdense.models.gpt import GPT
+    from bigdense.train.compile import compile_blocks, compile_model
     from bigdense.train.engines import EngineSettings, build_engine
-    from bigdense.train.flops import flops_per_token, mfu, peak_tflops
 
     spec = MODELS[model]
-    cfg = GPTConfig(vocab_size=spec["vocab_size"], d_model=spec["d_model"], n_layers=spec["n_layers"],
-                    n_heads=spec["n_heads"], max_seq_len=spec["seq"], dropout=0.1, head_chunk_size=4096)
     torch.manual_seed(0)
     with torch.device(device):
-        net = GPT(cfg, tp_group=ctx.tp_group)
-    if compiled:
-        compile_blocks(net.blocks, "inductor" if device.type == "cuda" else "aot_eager")
-    dtype = "bf16" if device.type == "cuda" else "fp32"
-    settings = EngineSettings(engine=EngineConfig(), optim=OptimConfig(warmup_steps=10),
-                              precision=PrecisionConfig(dtype=dtype), micro_batch_size=spec["batch"], max_steps=10**6)
+        net = GPT(_gpt_config(spec), tp_group=ctx.tp_group)
+    if mode == "blocks":
+        compile_blocks(net.blocks, sched.backend)
+    elif mode in ("model", "model+cuda_graphs"):
+        compile_model(net, sched.backend)
+    precision = PrecisionConfig(dtype=_precision(device))
+    settings = EngineSettings(engine=EngineConfig(), optim=_optim(), precision=precision,
+                              micro_batch_size=spec["batch"], max_steps=10**6, cuda_graphs=mode == "model+cuda_graphs")
     engine = build_engine(net, ctx, settings)
-    gen = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["seq"]), generator=gen).to(device)
+    idx = _tokens(spec, device)
     batch = [(idx, idx.roll(-1, dims=1))]
-    with bd.set_checks(False):
-        for _ in range(warmup):
-            engine.train_step(batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(steps):
-                result = engine.train_step(batch)
-            end.record()
-            torch.cuda.synchronize(device)
-            step_s = start.elapsed_time(end) / 1e3 / steps
-            peak_gb = torch.cuda.max_memory_allocated(device) / 2**30
-        else:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                result = engine.train_step(batch)
-            step_s = (time.perf_counter() - t0) / steps
-            peak_gb = float("nan")
-    step_s = _max_over_ranks(step_s, ctx, device)
+    with bd.set_checks(False):  # the training loop's hot path: no host-side reads of the device
+        measured = measure(lambda: engine.train_step(batch).raw["loss"], warmup=_warmup_steps(mode, sched.warmup),
+                           steps=sched.steps, busy_steps=sched.busy_steps, device=device, count_graphs=mode != "eager")
+    measured["step_s"] = _max_over_ranks(measured["step_s"], ctx, device)
+    return _row("gpt", model, net.num_parameters()["total"], tp, device, measured, mode=mode, compiled=mode != "eager")
+
+
+def _peer_case(model: str, mode: str, sched: Schedule, device: torch.device) -> dict:
+    """The Hugging Face GPT-2 twin of ``model`` (`bigdense.bench.gpu_peer`), eager or compiled."""
+    from . import gpu_peer
+
+    spec, cfg, compiled = MODELS[model], _gpt_config(MODELS[model]), mode == "compiled"
+    torch.manual_seed(0)
+    twin = gpu_peer.build_twin(spec, cfg.dropout, cfg.attention_dropout, device)
+    step = gpu_peer.twin_step(twin, _optim(), _tokens(spec, device), precision=_precision(device),
+                              compiled=compiled, backend=sched.backend)
+    with gpu_peer.compile_defaults(sched.backend) if compiled else contextlib.nullcontext():
+        measured = measure(step, warmup=_warmup_steps(mode, sched.warmup), steps=sched.steps,
+                           busy_steps=sched.busy_steps, device=device, count_graphs=compiled)
+    n_params = sum(p.numel() for p in twin.parameters())  # a tied weight once, as bigdense counts it
+    return _row("gpt_peer", model, n_params, 1, device, measured, peer=gpu_peer.PEER, mode=mode, compiled=compiled)
+
+
+def _row(case: str, model: str, n_params: int, tp: int, device: torch.device, measured: dict, **labels) -> dict:
+    """A GPT result: ``labels``, throughput and MFU from the measured step time, the measurement."""
+    from bigdense.train.flops import flops_per_token, mfu, peak_tflops
+
+    spec, measured = MODELS[model], dict(measured)
+    step_s = measured.pop("step_s")
     tokens = spec["batch"] * spec["seq"]  # per step; TP ranks share the same tokens
-    n_params = net.num_parameters()["total"]
-    flops_token = flops_per_token(n_params, cfg.n_layers, cfg.d_model, spec["seq"])
     per_device = tokens / step_s / tp
-    util = mfu(per_device, flops_token, peak_tflops(device))
-    return dict(bench="gpu", case="gpt", model=model, params=n_params, tp=tp, compiled=compiled, precision=dtype,
+    flops_token = flops_per_token(n_params, spec["n_layers"], spec["d_model"], spec["seq"])
+    return dict(bench="gpu", case=case, model=model, **labels, params=n_params, tp=tp, precision=_precision(device),
                 batch=spec["batch"], seq=spec["seq"], step_ms=step_s * 1e3, tokens_per_s=tokens / step_s,
-                tokens_per_s_per_device=per_device, mfu=util, peak_mem_gb=peak_gb, loss=float(result.loss),
-                device=_device_name(device))
+                tokens_per_s_per_device=per_device, mfu=mfu(per_device, flops_token, peak_tflops(device)),
+                **measured, device=_device_name(device))
+
+
+def _stub(case: str, model: str, tp: int, mode: str, error: str) -> dict:
+    """The row of a case that failed or was skipped."""
+    row = dict(bench="gpu", case=case, model=model, tp=tp, mode=mode, compiled=mode != "eager", error=error)
+    if case == "gpt_peer":
+        from .gpu_peer import PEER
+
+        row["peer"] = PEER
+    return row
+
+
+def _run_case(case: str, model: str, tp: int, mode: str, sched: Schedule, device: torch.device, ctx) -> dict:
+    try:
+        if case == "gpt_peer":
+            return _peer_case(model, mode, sched, device)
+        return _gpt_case(model, tp, mode, sched, device, ctx)
+    except Exception:  # noqa: BLE001 - one failed case must not hide the others
+        return _stub(case, model, tp, mode, traceback.format_exc(limit=3))
+    finally:
+        _release(device)
+
+
+def _release(device: torch.device) -> None:
+    """Free what a case held: its compiled code (which references the model), reference cycles
+    (the engine and its CUDA graph), cached device memory."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _max_over_ranks(value: float, ctx, device) -> float:
@@ -173,19 +297,19 @@ def _layer_cases(quick: bool) -> list[dict]:
     return out
 
 
-def _cases(args, n_gpus: int) -> list[tuple]:
+def _cases(args, n_gpus: int, peer_skip: str | None) -> list[tuple]:
+    """(case, model, tp, mode) in the order they run: tp = 1 by `CASE_ORDER`, then tp > 1."""
     models = ["gpt_small"] if args.quick else ["gpt_small", "gpt_1b"]
-    out = []
+    out = [(case, model, 1, mode) for model in models for case, mode in CASE_ORDER
+           if case == "gpt" or peer_skip is None]
     for model in models:
         heads = MODELS[model]["n_heads"]
-        tps = [t for t in (1, 2, 4, 8) if t <= n_gpus and heads % t == 0]
-        for tp in tps:
-            for compiled in (False, True):
-                out.append((model, tp, compiled))
+        for tp in (t for t in (2, 4, 8) if t <= n_gpus and heads % t == 0):
+            out += [("gpt", model, tp, mode) for mode in TP_MODES]
     return out
 
 
-def _worker(rank: int, world: int, port: int, cases: list, args, queue) -> None:
+def _worker(rank: int, world: int, port: int, cases: list, sched: Schedule, queue) -> None:
     """One rank of a tp=world run on NCCL: every case, results (rank 0's) into ``queue``."""
     import datetime
 
@@ -198,18 +322,14 @@ def _worker(rank: int, world: int, port: int, cases: list, args, queue) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300), device_id=torch.device("cuda", rank))
     ctx = bd.init_parallel(tp=world)
-    for model, tp, compiled in cases:
-        try:
-            result = _gpt_case(model, tp, compiled, args.steps, args.warmup, torch.device("cuda", rank), ctx)
-        except Exception:  # noqa: BLE001 - one failed case must not hide the others
-            result = dict(bench="gpu", case="gpt", model=model, tp=tp, compiled=compiled, error=traceback.format_exc(limit=3))
+    for case, model, tp, mode in cases:
+        result = _run_case(case, model, tp, mode, sched, torch.device("cuda", rank), ctx)
         if rank == 0:
             queue.put(result)
-        torch._dynamo.reset()
     dist.destroy_process_group()
 
 
-def _run_tp(world: int, cases: list, args) -> list[dict]:
+def _run_tp(world: int, cases: list, sched: Schedule, budget_s: float) -> list[dict]:
     import multiprocessing as mp
     import socket
 
@@ -218,10 +338,10 @@ def _run_tp(world: int, cases: list, args) -> list[dict]:
         port = s.getsockname()[1]
     context = mp.get_context("spawn")
     queue = context.Queue()
-    procs = [context.Process(target=_worker, args=(r, world, port, cases, args, queue)) for r in range(world)]
+    procs = [context.Process(target=_worker, args=(r, world, port, cases, sched, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results, deadline = [], time.time() + args.budget_s
+    results, deadline = [], time.time() + budget_s
     while len(results) < len(cases) and time.time() < deadline and any(p.is_alive() for p in procs):
         try:
             results.append(queue.get(timeout=5))
@@ -231,27 +351,56 @@ def _run_tp(world: int, cases: list, args) -> list[dict]:
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
-    return results
+    done = {(r["case"], r["model"], r["tp"], r["mode"]) for r in results}
+    return results + [_stub(*c, error="skipped: time budget") for c in cases if c not in done]
+
+
+def _display_order(row: dict) -> tuple:
+    modes = MODES + PEER_MODES
+    return (list(MODELS).index(row["model"]), row["tp"], row["case"] == "gpt_peer",
+            modes.index(row["mode"]) if row["mode"] in modes else len(modes))
+
+
+def _gpt_table(rows: list[dict]) -> None:
+    print(f"{'model':10s} {'params':>8s} {'tp':>3s} {'run':26s} {'step ms':>9s} {'tokens/s':>11s} {'tok/s/dev':>10s} "
+          f"{'MFU':>6s} {'peak GiB':>9s} {'GPU busy':>8s}  graphs fw/bw/breaks")
+    for r in sorted(rows, key=_display_order):
+        run = f"{'bigdense' if r['case'] == 'gpt' else r['peer']} {r['mode']}"
+        if "error" in r:
+            last = r["error"].strip().splitlines()[-1]
+            why = last if last.startswith("skipped") else f"failed: {last}"
+            print(f"{r['model']:10s} {'':>8s} {r['tp']:3d} {run:26s} {why}")
+            continue
+        util = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        peak = f"{r['peak_mem_gb']:.2f}" if r["peak_mem_gb"] is not None else "-"
+        busy = f"{r['gpu_busy']:.0%}" if r.get("gpu_busy") is not None else "-"
+        graphs = f"{r['graphs_forward']}/{r['graphs_backward']}/{r['graph_breaks']}" if "graphs_forward" in r else "-"
+        print(f"{r['model']:10s} {r['params'] / 1e6:7.1f}M {r['tp']:3d} {run:26s} {r['step_ms']:9.1f} "
+              f"{r['tokens_per_s']:11,.0f} {r['tokens_per_s_per_device']:10,.0f} {util:>6s} {peak:>9s} "
+              f"{busy:>8s}  {graphs}")
+
+
+def _ratio_lines(rows: list[dict]) -> None:
+    peers = [r for r in rows if r.get("case") == "gpt_peer" and "ratio_vs_bigdense" in r]
+    if not peers:
+        return
+    print("Hugging Face GPT-2 step ms / bigdense step ms (above 1: bigdense is faster):")
+    for r in sorted(peers, key=_display_order):
+        theirs = "torch.compile(model)" if r["compiled"] else "eager"
+        ours = f"{r['vs_mode']} (its fastest compiled mode)" if r["compiled"] else r["vs_mode"]
+        print(f"  {r['model']:10s} {r['peer']} {theirs} / bigdense {ours}: {r['ratio_vs_bigdense']:.2f}")
 
 
 def _print_table(results: list[dict]) -> None:
-    gpt = [r for r in results if r.get("case") == "gpt"]
+    gpt = [r for r in results if r.get("case") in ("gpt", "gpt_peer")]
     if gpt:
-        print(f"{'model':10s} {'params':>7s} {'tp':>3s} {'mode':9s} {'step ms':>9s} {'tokens/s':>11s} "
-              f"{'tok/s/dev':>10s} {'MFU':>6s} {'peak GiB':>9s}")
-        for r in gpt:
-            mode = "compiled" if r["compiled"] else "eager"
-            if "error" in r:
-                print(f"{r['model']:10s} {'':>7s} {r['tp']:3d} {mode:9s} failed: {r['error'].strip().splitlines()[-1]}")
-                continue
-            util = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
-            print(f"{r['model']:10s} {r['params'] / 1e6:6.0f}M {r['tp']:3d} {mode:9s} {r['step_ms']:9.1f} "
-                  f"{r['tokens_per_s']:11,.0f} {r['tokens_per_s_per_device']:10,.0f} {util:>6s} {r['peak_mem_gb']:9.2f}")
+        _gpt_table(gpt)
+        _ratio_lines(gpt)
     for r in results:
-        if r.get("case") not in ("gpt",) and "error" in r:
-            print(f"{r['case']}: failed: {r['error'].strip().splitlines()[-1]}")
+        if r.get("case") not in ("gpt", "gpt_peer") and "error" in r:
+            print(f"{r['case']}: {r['error'].strip().splitlines()[-1]}")
     for case in ("mlp", "head"):
-        rows = [r for r in results if r.get("case") == case]
+        rows = [r for r in results if r.get("case") == case and "error" not in r]
         if rows:
             print(f"{case}: {rows[0]['shape']}, bf16 autocast, forward + backward, median")
             for r in rows:
@@ -260,12 +409,39 @@ def _print_table(results: list[dict]) -> None:
                   f"{rows[1]['peak_mem_gb'] / rows[0]['peak_mem_gb']:.2f} (peak memory)")
 
 
+def _smoke() -> list[dict]:
+    """The CPU smoke test: `CASE_ORDER` less `SMOKE_SKIPS` on model ``smoke``, one timed step each."""
+    import bigdense as bd
+
+    from .gpu_peer import add_ratios, available
+
+    print("bigdense.bench.gpu: no CUDA device here; running a smoke test of the benchmark on CPU "
+          "(no GPU figures).")
+    ctx, device = bd.init_parallel(tp=1), torch.device("cpu")
+    sched = Schedule(steps=1, warmup=1, busy_steps=1, backend="aot_eager")
+    peer_skip = available()
+    rows = []
+    for case, mode in CASE_ORDER:
+        if (case, mode) in SMOKE_SKIPS:
+            rows.append(_stub(case, "smoke", 1, mode, SMOKE_SKIPS[case, mode]))
+        elif case == "gpt_peer" and peer_skip:
+            rows.append(_stub(case, "smoke", 1, mode, f"skipped: {peer_skip}"))
+        else:
+            rows.append(_run_case(case, "smoke", 1, mode, sched, device, ctx))
+    add_ratios(rows)
+    return [dict(r, smoke=True) for r in rows]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="gpt_small only, fewer steps")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per case (default 20, quick 10)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
-    parser.add_argument("--budget-s", type=float, default=400.0, help="start no new measurement after this")
+    parser.add_argument("--quick", action="store_true", help="gpt_small only")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per case, back to back")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed steps first (compiled modes: at least 2; CUDA graphs: the engine's eager "
+                             "steps and the recording)")
+    parser.add_argument("--busy-steps", type=int, default=3,
+                        help="steps under torch.profiler for gpu_busy (0: not measured)")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="start no new measurement after this")
     parser.add_argument("--json", help="append one JSON object per result to this file")
     parser.add_argument("--peers", action="store_true",
                         help="only the fused linear + cross-entropy against torch, Liger and Cut Cross-Entropy "
@@ -273,17 +449,10 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true", help="--peers: the top kernels of one bigdense call")
     parser.add_argument("--head-iters", type=int, default=10, help="--peers: timed calls per contender")
     args = parser.parse_args(argv)
-    args.steps = args.steps or (10 if args.quick else 20)
     started = time.time()
 
     if not torch.cuda.is_available():
-        print("bigdense.bench.gpu: no CUDA device here; running a 1-step smoke test of the benchmark on CPU "
-              "(no GPU figures).")
-        import bigdense as bd
-
-        ctx = bd.init_parallel(tp=1)
-        results = [dict(_gpt_case("smoke", 1, False, 1, 0, torch.device("cpu"), ctx), smoke=True)]
-        _emit(results, args)
+        _emit(_smoke(), args)
         return 0
 
     if args.peers:
@@ -291,35 +460,48 @@ def main(argv=None) -> int:
 
         _emit(head_gpu.run(args.head_iters, args.profile), args)
         return 0
+    from .gpu_peer import add_ratios, available
+
     n_gpus = torch.cuda.device_count()
     print(f"bigdense.bench.gpu: {n_gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
           f"TP sizes up to {n_gpus}")
+    peer_skip = available()
+    if peer_skip:
+        print(f"  the Hugging Face GPT-2 peer is skipped: {peer_skip}")
+    device, sched = torch.device("cuda", 0), Schedule(args.steps, args.warmup, args.busy_steps, "inductor")
+    if args.busy_steps > 0 and (why := warm_profiler(device)):
+        print(f"  the profiler failed to start ({why}); gpu_busy will be missing")
+    cases = _cases(args, n_gpus, peer_skip)
     results: list[dict] = []
-    cases = _cases(args, n_gpus)
+    if peer_skip:
+        models = {c[1] for c in cases}
+        results += [_stub("gpt_peer", model, 1, mode, f"skipped: {peer_skip}")
+                    for model in sorted(models) for mode in PEER_MODES]
     import bigdense as bd
 
     ctx = bd.init_parallel(tp=1)
-    for model, tp, compiled in [c for c in cases if c[1] == 1]:
+    for case, model, tp, mode in [c for c in cases if c[2] == 1]:
         if time.time() - started > args.budget_s:
-            results.append(dict(bench="gpu", case="gpt", model=model, tp=tp, compiled=compiled, error="skipped: time budget"))
+            results.append(_stub(case, model, tp, mode, "skipped: time budget"))
             continue
+        results.append(_run_case(case, model, tp, mode, sched, device, ctx))
+        print(f"  done: {model} tp={tp} {'bigdense' if case == 'gpt' else 'peer'} {mode} "
+              f"({time.time() - started:.0f} s)", flush=True)
+    if time.time() - started > args.budget_s:
+        results.append(dict(bench="gpu", case="layers", error="skipped: time budget"))
+    else:
         try:
-            results.append(_gpt_case(model, tp, compiled, args.steps, args.warmup, torch.device("cuda", 0), ctx))
-        except Exception:  # noqa: BLE001 - one failed case must not hide the others
-            results.append(dict(bench="gpu", case="gpt", model=model, tp=tp, compiled=compiled,
-                                error=traceback.format_exc(limit=3)))
-        torch._dynamo.reset()
-        torch.cuda.empty_cache()
-        print(f"  done: {model} tp={tp} {'compiled' if compiled else 'eager'} ({time.time() - started:.0f} s)", flush=True)
-    try:
-        results.extend(_layer_cases(args.quick))
-    except Exception:  # noqa: BLE001
-        results.append(dict(bench="gpu", case="layers", error=traceback.format_exc(limit=3)))
-    for tp in sorted({c[1] for c in cases if c[1] > 1}):
-        if time.time() - started > args.budget_s:
-            break
-        args.budget_s = max(30.0, args.budget_s - (time.time() - started))
-        results.extend(_run_tp(tp, [c for c in cases if c[1] == tp], args))
+            results.extend(_layer_cases(args.quick))
+        except Exception:  # noqa: BLE001
+            results.append(dict(bench="gpu", case="layers", error=traceback.format_exc(limit=3)))
+    for tp in sorted({c[2] for c in cases if c[2] > 1}):
+        tp_cases = [c for c in cases if c[2] == tp]
+        left = args.budget_s - (time.time() - started)
+        if left <= 0:
+            results += [_stub(*c, error="skipped: time budget") for c in tp_cases]
+            continue
+        results.extend(_run_tp(tp, tp_cases, sched, max(30.0, left)))
+    add_ratios(results)
     _emit(results, args)
     return 0
 

@@ -48,6 +48,11 @@ class OptimizerAdapter:
         raise NotImplementedError
 
 
+# Param-group keys that say how an optimizer computes, not what it computes: a loaded checkpoint
+# keeps the running optimizer's (a run with trainer.cuda_graphs needs capturable=True whatever saved it).
+IMPLEMENTATION_SWITCHES = ("fused", "foreach", "capturable", "differentiable")
+
+
 def saved_groups_without_params(groups: list[dict]) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in groups]
 
@@ -106,7 +111,9 @@ class TorchOptimizerState(OptimizerAdapter):
                     state[index] = entry
                 ids.append(index)
                 index += 1
-            out_groups.append({**saved, "params": ids})
+            # How the step runs (fused kernels, capturable for a CUDA graph) is this run's choice.
+            running = {k: group[k] for k in IMPLEMENTATION_SWITCHES if k in group}
+            out_groups.append({**saved, **running, "params": ids})
         self.optimizer.load_state_dict({"state": state, "param_groups": out_groups})
 
 
