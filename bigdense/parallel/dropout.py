@@ -108,7 +108,8 @@ def tp_dropout(
     Each call draws one key from torch's default generator of ``x``'s device (`draw_dropout_key`;
     a tensor, never read on the host), so (a) activation checkpointing, which restores that
     generator before recomputing, redraws the same mask, and (b) every TP rank draws the same key
-    as long as all ranks were seeded alike. The mask is a pure function of (key, global element index) (`keep_mask`):
+    as long as all ranks were seeded alike. The mask is a pure function of (key, global element
+    index) (`keep_mask`):
 
     * replicated region (``shard_dim=None``): ``x`` is the whole tensor; every TP rank applies the
       same mask.
