@@ -286,3 +286,19 @@ def assert_matches_reference(model, opt, reference: dict[str, torch.Tensor], wha
         expected = spec.slice_of(full) if spec is not None and value.dim() > 0 else full
         assert value.dtype == expected.dtype and torch.equal(value, expected), f"{what}: {key} differs"
     return len(local)
+
+
+def compile_for_sm90_in_a_fresh_process(module: str, expected: int) -> None:
+    """Run ``bigdense.kernels.<module>.compile_for_cuda(90)`` with the interpreter off, in a fresh
+    process (where the kernels are defined for the compiler, not the lenient interpreter), and
+    check that it compiled ``expected`` variants, each to a non-empty cubin."""
+    import os
+    import subprocess
+
+    code = (f"from bigdense.kernels.{module} import compile_for_cuda\n"
+            "sizes = compile_for_cuda(90)\n"
+            f"assert len(sizes) == {expected} and all(sizes.values()), sizes\n"
+            "print('compiled', len(sizes))")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and f"compiled {expected}" in done.stdout, done.stderr[-3000:]

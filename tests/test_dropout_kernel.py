@@ -13,6 +13,8 @@ import torch
 from bigdense.kernels import counter_hash
 from bigdense.parallel.dropout import batch_slice, tp_dropout
 
+from helpers import compile_for_sm90_in_a_fresh_process
+
 CASES = {
     "replicated": dict(shape=(2, 5, 40), kwargs={}),
     "sharded heads": dict(shape=(2, 3, 5, 5), kwargs=dict(shard_dim=1, global_size=8, offset=2)),
@@ -71,14 +73,4 @@ def test_the_kernel_choice_is_checked(monkeypatch):
 def test_the_kernel_compiles_for_an_sm90_gpu():
     # As the head's kernels (tests/test_head_kernels.py): the compiler, not the lenient interpreter,
     # in a fresh process.
-    import os
-    import subprocess
-    import sys
-
-    code = ("from bigdense.kernels.triton_dropout import compile_for_cuda\n"
-            "sizes = compile_for_cuda(90)\n"
-            "assert sorted(sizes) == ['bf16', 'fp32'] and all(sizes.values()), sizes\n"
-            "print('compiled', len(sizes))")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "compiled 2" in done.stdout, done.stderr[-3000:]
+    compile_for_sm90_in_a_fresh_process("triton_dropout", 2)  # fp32 and bf16 activations

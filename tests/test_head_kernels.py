@@ -29,6 +29,7 @@ import test_head  # noqa: E402
 import test_head_modes  # noqa: E402
 import test_head_xc  # noqa: E402
 import test_sequence_parallel  # noqa: E402
+from helpers import compile_for_sm90_in_a_fresh_process  # noqa: E402
 
 # The interpreter evaluates log(0) = -inf (a rank with no class) with numpy, which warns.
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
@@ -109,13 +110,7 @@ def test_kernels_compile_for_an_sm90_gpu():
     # The interpreter is lenient where the compiler is not (loop-carried types, constexpr branches):
     # compiling for Hopper, with no device, catches what only a GPU run would otherwise find. In a
     # fresh process: here the kernels were defined for the interpreter.
-    code = ("from bigdense.kernels.triton_ce import compile_for_cuda\n"
-            "sizes = compile_for_cuda(90)\n"
-            "assert len(sizes) == 16 and all(sizes.values()), sizes\n"
-            "print('compiled', len(sizes))")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "compiled 16" in done.stdout, done.stderr[-3000:]
+    compile_for_sm90_in_a_fresh_process("triton_ce", 16)  # two kernels x 8 switch combinations
 
 
 # ---- the whole head on the GPU path ----

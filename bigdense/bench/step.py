@@ -148,34 +148,51 @@ def _count_ops(seqs, batch):
     return out
 
 
-def _timed(args):
+def _timed_gpt(args, compile_mode: str = "false"):
+    """The timed GPT (``--d``, ``--layers``, ``--seq``; dropout 0.1 everywhere, fp32) at tp=2 under
+    the DDP engine, compiled by ``compile_mode``, and its batch."""
     import bigdense as bd
     from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
     from bigdense.models.gpt import GPT, GPTConfig
+    from bigdense.train.compile import apply_compile
     from bigdense.train.engines import EngineSettings, build_engine
 
-    ctx = bd.init_parallel(tp=2)
+    ctx = bd.get_default_context()
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=args.vocab, d_model=args.d, n_layers=args.layers, n_heads=args.heads,
                     max_seq_len=args.seq, dropout=0.1, attention_dropout=0.1, head_chunk_size=1024)
     model = GPT(cfg, tp_group=ctx.tp_group)
+    apply_compile(model, compile_mode, args.backend, stage="before_recompute")
+    apply_compile(model, compile_mode, args.backend, stage="after_recompute")
     settings = EngineSettings(engine=EngineConfig(), optim=OptimConfig(warmup_steps=1), precision=PrecisionConfig(),
                               micro_batch_size=args.batch, max_steps=10**6)
-    engine = build_engine(model, ctx, settings)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    batch = [(idx, idx.roll(-1, dims=1))]
+    return build_engine(model, ctx, settings), [(idx, idx.roll(-1, dims=1))]
+
+
+def _slowest_step_s(engine, batch) -> float:
+    """One ``train_step``'s time on the slowest rank (the ranks start together)."""
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    engine.train_step(batch)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def _timed(args):
+    import bigdense as bd
+
+    bd.init_parallel(tp=2)
+    engine, batch = _timed_gpt(args)
     times = {"baseline": [], "current": []}
     syncs, ops = {}, {}
     for it in range(args.warmup + args.iters):
         for name in times:
             with variant(name):
-                torch.distributed.barrier()
-                start = time.perf_counter()
-                engine.train_step(batch)
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
+                elapsed = _slowest_step_s(engine, batch)
             if it >= args.warmup:
-                times[name].append(float(elapsed))
+                times[name].append(elapsed)
     for name in times:
         with variant(name), OpCounter() as counter:
             engine.train_step(batch)
@@ -187,42 +204,22 @@ def _timed_compiled(args):
     """Eager against ``args.compile`` (``trainer.compile``'s mode) at tp=2: step times, graph counts
     of the compiled model's first step, ops and host syncs per step."""
     import bigdense as bd
-    from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
-    from bigdense.models.gpt import GPT, GPTConfig
-    from bigdense.train.compile import apply_compile
     from bigdense.train.compile_counts import GraphCounts, no_compile_caches
-    from bigdense.train.engines import EngineSettings, build_engine
 
-    ctx = bd.init_parallel(tp=2)
-    cfg = GPTConfig(vocab_size=args.vocab, d_model=args.d, n_layers=args.layers, n_heads=args.heads,
-                    max_seq_len=args.seq, dropout=0.1, attention_dropout=0.1, head_chunk_size=1024)
-    settings = EngineSettings(engine=EngineConfig(), optim=OptimConfig(warmup_steps=1), precision=PrecisionConfig(),
-                              micro_batch_size=args.batch, max_steps=10**6)
+    bd.init_parallel(tp=2)
     engines = {}
-    for name in ("eager", "compiled"):
-        torch.manual_seed(0)
-        model = GPT(cfg, tp_group=ctx.tp_group)
-        if name == "compiled":
-            apply_compile(model, args.compile, args.backend, stage="before_recompute")
-            apply_compile(model, args.compile, args.backend, stage="after_recompute")
-        engines[name] = build_engine(model, ctx, settings)
-    idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    batch = [(idx, idx.roll(-1, dims=1))]
+    for name, mode in (("eager", "false"), ("compiled", args.compile)):
+        engines[name], batch = _timed_gpt(args, mode)
     times = {name: [] for name in engines}
     with bd.set_checks(False):
         with no_compile_caches(), GraphCounts() as graphs:
             engines["compiled"].train_step(batch)
-        later = GraphCounts().__enter__()  # what the steps after the first compile: nothing, when guards hold
-        for it in range(args.warmup + args.iters):
-            for name, engine in engines.items():
-                torch.distributed.barrier()
-                start = time.perf_counter()
-                engine.train_step(batch)
-                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
-                if it >= args.warmup:
-                    times[name].append(float(elapsed))
-        later.__exit__(None, None, None)
+        with GraphCounts() as later:  # what the steps after the first compile: nothing, when guards hold
+            for it in range(args.warmup + args.iters):
+                for name, engine in engines.items():
+                    elapsed = _slowest_step_s(engine, batch)
+                    if it >= args.warmup:
+                        times[name].append(elapsed)
         with OpCounter() as counter:  # the eager model's forward and backward, as the graphs cover
             engines["eager"].model(*batch[0]).backward()  # (a dispatch mode would run compiled code eagerly)
         engines["eager"].train_step(batch)  # clears those gradients
