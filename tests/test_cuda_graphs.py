@@ -125,7 +125,9 @@ def test_step_graph_warms_up_eagerly_records_once_then_replays(monkeypatch):
 
 def test_a_loaded_checkpoint_keeps_the_running_optimizers_implementation(tmp_path):
     # A run with trainer.cuda_graphs builds AdamW capturable; resuming it from a checkpoint saved
-    # without (or the reverse) must not switch that off, or the next capture fails.
+    # without (or the reverse) must not switch that off, or the next capture fails. What the step
+    # computes (lr here) still comes from the checkpoint. (DeepSpeed's optimizers keep theirs the
+    # same way: tests/test_deepspeed_world.py resumes a DeepSpeed run through a DDP checkpoint.)
     import bigdense as bd
 
     bd.init_parallel(tp=1)
@@ -134,7 +136,8 @@ def test_a_loaded_checkpoint_keeps_the_running_optimizers_implementation(tmp_pat
     model(torch.ones(1, 3)).sum().backward()
     saved_by.step()
     bd.save_checkpoint(tmp_path / "ckpt", model=model, optimizer=saved_by)
-    resumed = torch.optim.AdamW(model.parameters(), lr=0.1, capturable=True, foreach=True)
+    resumed = torch.optim.AdamW(model.parameters(), lr=0.5, capturable=True, foreach=False)
     bd.load_checkpoint(tmp_path / "ckpt", model=model, optimizer=resumed)
-    assert resumed.param_groups[0]["capturable"] is True
+    group = resumed.param_groups[0]
+    assert (group["capturable"], group["foreach"], group["lr"]) == (True, False, 0.1), group
     assert resumed.state[model.weight]["exp_avg"].shape == (2, 3)

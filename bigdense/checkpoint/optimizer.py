@@ -57,6 +57,13 @@ def saved_groups_without_params(groups: list[dict]) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in groups]
 
 
+def saved_group_with_running_switches(saved: dict, running: dict) -> dict:
+    """A saved param group's hyper-parameters with the running group's `IMPLEMENTATION_SWITCHES`:
+    how the step runs is this run's choice, whichever engine wrote the checkpoint."""
+    kept = {k: running[k] for k in IMPLEMENTATION_SWITCHES if k in running}
+    return {**{k: v for k, v in saved.items() if k not in IMPLEMENTATION_SWITCHES}, **kept}
+
+
 class TorchOptimizerState(OptimizerAdapter):
     """A plain ``torch.optim.Optimizer``: state by parameter, groups by parameter name."""
 
@@ -111,9 +118,7 @@ class TorchOptimizerState(OptimizerAdapter):
                     state[index] = entry
                 ids.append(index)
                 index += 1
-            # How the step runs (fused kernels, capturable for a CUDA graph) is this run's choice.
-            running = {k: group[k] for k in IMPLEMENTATION_SWITCHES if k in group}
-            out_groups.append({**saved, **running, "params": ids})
+            out_groups.append({**saved_group_with_running_switches(saved, group), "params": ids})
         self.optimizer.load_state_dict({"state": state, "param_groups": out_groups})
 
 

@@ -16,7 +16,9 @@ import torch
 
 from . import ds_state
 from .boxes import flat_range_boxes, narrow_box
-from .optimizer import FP32_MASTER, OptimizerAdapter, TorchOptimizerState, saved_groups_without_params
+from .optimizer import (
+    FP32_MASTER, OptimizerAdapter, TorchOptimizerState, saved_group_with_running_switches, saved_groups_without_params,
+)
 from .pieces import ModelState, Piece, optimizer_state_piece, param_name
 
 
@@ -89,7 +91,7 @@ class ZeroOptimizerState(OptimizerAdapter):
         groups = None if common is None else saved_groups_without_params(common["param_groups"])
         for g, (lps, flat) in enumerate(zip(self.lp_groups, self.hp_flat)):
             if groups is not None:
-                self.inner_groups[g].update(groups[g])
+                self.inner_groups[g].update(saved_group_with_running_switches(groups[g], self.inner_groups[g]))
             names = [model.canonical[id(p)] for p in lps]
             saved = [tensors.get(n, {}) for n in names]
             tensor_keys = sorted({k for s in saved for k, v in s.items() if v.dim() > 0 and k != FP32_MASTER})
