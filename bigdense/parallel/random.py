@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..kernels.counter_hash import M1, fmix32  # noqa: F401 - re-exported: the hash of this module
+from ..kernels.counter_hash import M1, fmix32  # noqa: F401 - M1 re-exported for dropout.py; fmix32 hashes here too
 
 TILE = 512
 # Elements hashed at once by `counter_fill_` on an accelerator: bounds its temporaries (a few
