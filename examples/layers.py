@@ -43,7 +43,12 @@ loss = head.loss(h, target, label_smoothing=0.1, ignore_index=-100)  # never gat
 loss.backward()
 scores, classes = head.predict(h, k=5)  # global top-5, the same on every rank
 
+with bd.collect_loss_metrics() as seen:
+    loss = head.loss(h, target, z_loss=1e-4)
+accuracy = seen.correct / seen.tokens  # device scalars, summed over the calls inside the block
+
 if ctx.is_main:
     print(f"tp={ctx.tp_size}: MLP output {tuple(y.shape)}; head weight on this rank {tuple(head.weight.shape)} "
-          f"of ({CLASSES}, {D_MODEL}); loss {loss.item():.4f}; top-5 classes of token 0: {classes[0].tolist()}")
+          f"of ({CLASSES}, {D_MODEL}); loss {loss.item():.4f}; top-5 classes of token 0: {classes[0].tolist()}; "
+          f"token accuracy {accuracy.item():.3f}")
 bd.destroy_parallel()

@@ -109,7 +109,9 @@ def test_fsdp_leaves_the_tp_collectives_as_they_were_but_the_norms(comm, accum):
     is gone under FSDP, whose every gradient term is summed in the one all-reduce over the mesh."""
     ddp = fsdp.bigdense_collectives(comm[0]["counts"][f"ddp accum={accum}"])
     ours = fsdp.bigdense_collectives(comm[0]["counts"][f"fsdp accum={accum}"])
-    assert ours["tp"] == [ddp["tp"][0] - 1, ddp["tp"][1] - 4] and ours["dp"] == ddp["dp"] == [1, 4]  # the loss's DP mean
+    # Over DP: the step's count of targets (one int64, before the first forward: the loss's token
+    # weighting) and the report (the loss, and the fused loss's tokens, correct ones and z-loss: 4 fp32).
+    assert ours["tp"] == [ddp["tp"][0] - 1, ddp["tp"][1] - 4] and ours["dp"] == ddp["dp"] == [2, 8 + 16]
 
 
 def _plain_collectives():

@@ -3,7 +3,9 @@ GPU run on the tiny ``smoke`` model -- bigdense eager, ``blocks`` and ``model`` 
 Hugging Face GPT-2 twin eager and compiled -- through the same measurement (`gpu_profile.measure`),
 with the CUDA-graph mode skipped and ``gpu_busy`` None. Its rows are checked for structure and
 sense, never for timings. The busy fraction's arithmetic (the union of device intervals) and the
-choice of the bigdense row a peer is compared with are checked on made-up numbers."""
+choice of the bigdense row a peer is compared with are checked on made-up numbers. The fine-tuning
+case (`gpu_finetune`) runs its eager contenders on its tiny Llama: bigdense's `CausalLM` (the fused
+head) takes the same first loss as transformers' own, at fp32, on the same weights and batch."""
 import importlib.util
 import json
 import math
@@ -12,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bigdense.bench import gpu, gpu_peer, gpu_profile
+import bigdense as bd
+from bigdense.bench import gpu, gpu_finetune, gpu_peer, gpu_profile
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
@@ -30,6 +33,14 @@ def test_cpu_smoke_writes_a_row_per_case(tmp_path, capsys):
     path = tmp_path / "gpu.jsonl"
     assert gpu.main(["--json", str(path)]) == 0
     rows = [_strict_json(line) for line in path.read_text().splitlines()]
+    finetune = [r for r in rows if r["case"] == "finetune"]  # after the GPT cases (the next test checks them)
+    assert [(r["contender"], r["mode"]) for r in finetune] == list(gpu_finetune.CONTENDERS), finetune
+    assert all(r["smoke"] and r["model"] == "smoke" for r in finetune), finetune
+    compiled = next(r for r in finetune if r["mode"] == "model")
+    if HAS_TRANSFORMERS:  # the whole CausalLM, its fused head included: one graph each way
+        assert (compiled["graphs_forward"], compiled["graphs_backward"], compiled["graph_breaks"]) == (1, 1, 0), \
+            compiled
+    rows = [r for r in rows if r["case"] != "finetune"]
     by_case = {(r["case"], r["mode"]): r for r in rows}
     assert all(r["smoke"] and r["model"] == "smoke" and r["tp"] == 1 for r in rows), rows
     assert set(by_case) == set(gpu.CASE_ORDER), sorted(by_case)
@@ -131,3 +142,43 @@ def test_the_twin_config_has_the_bigdense_case_shape():
     assert (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) == (0.1, 0.1, 0.0)
     assert config.tie_word_embeddings and config._attn_implementation == "sdpa" and not config.use_cache
     assert config.activation_function == "gelu" and config.n_inner is None  # exact GELU, 4 x d hidden
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_the_finetune_case_trains_the_same_llama_and_bigdense_starts_from_transformers_loss(capsys):
+    # The CPU smoke of the fine-tuning case, less its compiled mode (the slow test above runs it):
+    # every contender a row with its fields, the peers skipped, saying why.
+    sched = gpu.Schedule(steps=1, warmup=1, busy_steps=0, backend="aot_eager")
+    eager = [c for c in gpu_finetune.CONTENDERS if c[1] == "eager"]
+    rows = gpu_finetune.run(bd.init_parallel(tp=1), "smoke", torch.device("cpu"), sched, precision="fp32",
+                            warmup_steps=gpu._warmup_steps, release=gpu._release, contenders=eager)
+    assert [(r["contender"], r["mode"]) for r in rows] == eager, rows
+    by_name = {r["contender"]: r for r in rows}
+    ours, theirs = by_name["bigdense"], by_name["transformers"]
+    for row in (ours, theirs):
+        assert "error" not in row, row
+        assert (row["case"], row["model"], row["precision"], row["compiled"]) == ("finetune", "smoke", "fp32", False)
+        assert row["params"] == ours["params"] and row["step_ms"] > 0 and row["tokens_per_s"] > 0, row
+        assert row["peak_mem_gb"] is None and row["gpu_busy"] is None and row["mfu"] is None, row  # a CPU
+        assert math.isfinite(row["loss"]) and row["loss"] != row["first_loss"], row  # one step trained it
+    assert ours["loss_path"] == "fused (logit transform: none)", ours
+    # The same weights and batch, fp32: the fused head's loss is transformers' own (F.cross_entropy
+    # on the logits, its shift of labels=x), before either trained.
+    assert ours["first_loss"] == pytest.approx(theirs["first_loss"], rel=1e-5), (ours, theirs)
+    assert theirs["ratio_vs_bigdense"] > 0 and theirs["peak_ratio_vs_bigdense"] is None, theirs
+    for name in gpu_finetune.PEERS:
+        assert by_name[name]["error"].startswith("skipped: "), by_name[name]  # a CPU: their kernels need CUDA
+
+    gpu_finetune.print_table(rows)
+    out = capsys.readouterr().out
+    assert "bigdense eager" in out and "transformers eager       time" in out, out
+
+
+def test_a_patch_of_the_llama_module_is_undone_after_its_contender():
+    module = pytest.importorskip("transformers.models.llama.modeling_llama")
+    rope, norm = module.apply_rotary_pos_emb, module.LlamaRMSNorm
+    with gpu_finetune._module_restored(module.__name__):
+        module.apply_rotary_pos_emb, module.LlamaRMSNorm = print, object  # as Liger's patch swaps them
+        module.added_by_a_patch = 1
+    assert (module.apply_rotary_pos_emb, module.LlamaRMSNorm) == (rope, norm)
+    assert not hasattr(module, "added_by_a_patch")

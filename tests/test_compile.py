@@ -5,6 +5,11 @@ The ``aot_eager`` backend traces forward and backward through dynamo and AOTAuto
 inductor would, then runs the traced aten ops (no C++ compiler needed on CPU). The random key of
 each dropout is drawn by a traced ``randint`` from the CPU generator, so the compiled module
 draws the same masks as eager after the same ``torch.manual_seed``.
+
+Under ``trainer.compile=blocks`` the steps with host checks on run the blocks eagerly (the sequence
+shares' exchange is read on the host: compiled, a graph break), and no functional collective may be
+left unwaited by the step after them either (torch's registry of them, reported at exit as
+"unwaited collective calls").
 """
 import pytest
 import torch
@@ -106,3 +111,38 @@ def test_trainer_compile_trains_like_eager_at_tp2(sequence_parallel):
     # deferral of the norms' and biases' gradient sums is traced into the compiled blocks.
     for losses in run_ranks(_trainer_compile_equals_eager, 2, 2, sequence_parallel, timeout=600):
         assert losses[True] == pytest.approx(losses[False], rel=1e-5), losses
+
+
+def _checked_then_unchecked_blocks_step(tp):
+    """The loop's order under ``trainer.compile=blocks`` with sequence parallelism: a step with host
+    checks on, then one with them off; the functional collectives left unwaited after each."""
+    from bigdense.config import EngineConfig, OptimConfig, PrecisionConfig
+    from bigdense.models.gpt import GPT
+    from bigdense.train.compile import compile_blocks
+    from bigdense.train.engines import EngineSettings, build_engine
+
+    ctx = bd.init_parallel(tp=tp)
+    cfg = GPTConfig(vocab_size=37, d_model=16, n_layers=1, n_heads=4, max_seq_len=6, head_chunk_size=5,
+                    sequence_parallel=True)
+    idx = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(0)
+    model = GPT(cfg, tp_group=ctx.tp_group)
+    torch._dynamo.reset()
+    compile_blocks(model.blocks, "aot_eager")
+    settings = EngineSettings(engine=EngineConfig(), optim=OptimConfig(warmup_steps=1), precision=PrecisionConfig(),
+                              micro_batch_size=2, max_steps=10)
+    engine = build_engine(model, ctx, settings)
+    unwaited = []
+    for checked in (True, False):
+        with bd.set_checks(checked):
+            engine.train_step([(idx, idx.roll(-1, dims=1))])
+        unwaited.append(torch._C._distributed_c10d._get_work_registry_size())
+    return unwaited
+
+
+def test_blocks_compile_leaves_no_collective_unwaited_in_checked_steps_with_sp_at_tp2():
+    # Tracing the sequence shares' exchange (`comm.all_gather_sizes`) with a constant input to
+    # Dynamo would run the all-gather for real and leave it unwaited (12 per rank with this block,
+    # from `torch.tensor([length])`, when the checked step was compiled too).
+    for rank in run_ranks(_checked_then_unchecked_blocks_step, 2, 2, timeout=300):
+        assert rank == [0, 0], rank

@@ -297,7 +297,8 @@ def test_data_object_batches_and_describe(corpus_dir, tmp_path):
     (dict(pattern="**/*.nothing"), r"data\.path=.*no non-empty file matches data\.pattern"),
     (dict(vocab_size=100), r"data\.vocab_size must be in \[257"),
     (dict(val_fraction=0.0), r"data\.val_fraction"),
-    (dict(seq_len=100000), r"split has \d+ tokens, fewer than data\.seq_len"),
+    (dict(seq_len=100000), r"too little text for two windows of data\.seq_len \+ 1 = 100001 tokens"),
+    (dict(seq_len=30000), r"the corpus holds [\d,]+ tokens .*, fewer than two windows of data\.seq_len \+ 1"),
 ])
 def test_clear_errors_name_the_config_key(corpus_dir, tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):

@@ -451,10 +451,8 @@ def _classifier_engine_case(ctx, counted, margin, rate):
         remap[classes] = torch.arange(len(classes))
         z, t = z[:, classes], torch.where(target >= 0, remap[target.clamp(min=0)], -100)
     per_token = F.cross_entropy(z, t, reduction="none")  # 0 where ignored
-    # The engine's loss: each DP rank's mean over its counted tokens (0 when none), averaged over DP.
-    rows = [slice(d * CLS_ROWS, (d + 1) * CLS_ROWS) for d in range(ctx.dp_size)]
-    means = [per_token[r].sum() / (target[r] != -100).sum().clamp(min=1) for r in rows]
-    ref = sum(means) / ctx.dp_size
+    # The engine's loss, weighted by tokens: the mean over every DP rank's counted tokens (0 when none).
+    ref = per_token.sum() / (target != -100).sum().clamp(min=1)
     ref.backward()
     what = f"TextClassifier world head {ctx.tp_size}x{ctx.dp_size} counted={counted} margin={margin} rate={rate}"
     assert abs(result.loss - ref.item()) <= 1e-5 * max(1.0, abs(ref.item())), (what, result.loss, ref.item())

@@ -6,107 +6,34 @@ full-logits reference of helpers.py."""
 import math
 
 import pytest
-import torch
 
 import bigdense as bd
 from bigdense.layers.head import sampling
 from bigdense.testing import run_ranks
-from bigdense.testing.counters import OpCounter
-from helpers import assert_close
-
-D, C = 8, 37  # 37 classes: uneven over 2 and 4 ranks
-# fp32 with padding: the same per-token math, but the weight gradient sums the tokens in other
-# chunks (padding rows shift the chunk boundaries) -- a few ulps of values of size ~1.
-FP32 = dict(rtol=1e-5, atol=1e-5)
-# Margin heads at scale 64: logits of size ~64, summed in another order (see test_head_xc.py).
-MARGIN = dict(rtol=1e-4, atol=1e-4)
-MODES = {
-    "tp": dict(),
-    "tp sampled": dict(sample_rate=0.3),
-    "world": dict(shard="world"),
-    "world sampled cosface": dict(shard="world", sample_rate=0.3, margin="cosface", bias=False),
-    "world arcface": dict(shard="world", margin="arcface", bias=False),
-}
-
-
-def _tokens(dp_rank: int, n: int, seed: int):
-    g = torch.Generator().manual_seed(seed + dp_rank)
-    h = torch.randn(n, D, generator=g)
-    target = torch.randint(0, C, (n,), generator=g)
-    if n > 2:
-        target[1] = -100
-    return h, target
-
-
-def _head(options, tp):
-    torch.manual_seed(0)
-    return bd.ParallelClassifierHead(D, C, chunk_size=5, **options)
-
-
-def _loss_and_grads(head, h, target, seed, eps=0.0):
-    torch.manual_seed(seed)  # the sample's seed
-    x = h.clone().requires_grad_()
-    loss = head.loss(x, target, label_smoothing=eps)
-    loss.backward()
-    grads = (loss.detach(), x.grad, head.weight.grad.clone())
-    head.zero_grad(set_to_none=True)
-    return grads
-
-
-def _syncs_per_mode(tp):
-    ctx = bd.init_parallel(tp=tp)
-    out = {}
-    for name, options in MODES.items():
-        head = _head(options, tp)
-        h, target = _tokens(ctx.dp_rank, 6, 1)
-        with bd.set_checks(False):
-            _loss_and_grads(head, h, target, 5)  # a world head's first call exchanges the DP counts once
-            with OpCounter() as counted:
-                loss, _, _ = _loss_and_grads(head, h, target, 6)
-        assert math.isfinite(float(loss)), name
-        out[name] = dict(counted.sync_ops)
-    return out
+from head_modes_cases import MODES, loss_and_grads, mode_head, padded_equals_exact, rank_tokens, syncs_per_mode
 
 
 @pytest.mark.parametrize("tp", [1, 2])  # on 2 processes: tp=1 x dp=2 (world heads shard over DP), tp=2
 def test_every_head_mode_makes_no_host_sync_with_checks_off(tp):
-    for rank in run_ranks(_syncs_per_mode, 2, tp):
+    for rank in run_ranks(syncs_per_mode, 2, tp):
         assert rank == {name: {} for name in MODES}, rank
-
-
-def _padded_equals_exact(sizes, tp, eps):
-    ctx = bd.init_parallel(tp=tp)
-    n = sizes[ctx.dp_rank]
-    for name, options in MODES.items():
-        tol = MARGIN if "margin" in options else FP32
-        head = _head(options, tp)
-        big, big_target = _tokens(ctx.dp_rank, max(sizes), 2)
-        _loss_and_grads(head, big, big_target, 3, eps)  # checks on: learns the capacity (the largest count)
-        h, target = _tokens(ctx.dp_rank, n, 4)
-        exact = _loss_and_grads(head, h, target, 7, eps)  # checks on: exact blocks
-        with bd.set_checks(False):
-            padded = _loss_and_grads(head, h, target, 7, eps)  # padded to the capacity
-        for what, a, b in zip(("loss", "grad h", "grad W"), padded, exact):
-            assert_close(a, b, f"{name} eps={eps} sizes={sizes}: {what}", **tol)
-        if head.shard == "world" or head.sample_rate < 1.0 and ctx.dp_size > 1:
-            assert head._dp_blocks.capacity == max(sizes), name
 
 
 @pytest.mark.parametrize("sizes,tp,eps", [((7, 3), 1, 0.0), ((0, 5), 1, 0.1), ((6, 6), 2, 0.1)])
 def test_checks_off_padding_gives_the_exact_loss_and_gradients(sizes, tp, eps):
     # DP ranks holding different numbers of tokens (one holding none): with checks off each pads to
     # the capacity learned with checks on; the padding rows must change nothing.
-    run_ranks(_padded_equals_exact, 2, sizes, tp, eps)
+    run_ranks(padded_equals_exact, 2, sizes, tp, eps)
 
 
 def _more_tokens_than_the_capacity():
     bd.init_parallel(tp=1)
-    head = _head(dict(shard="world"), 1)
+    head = mode_head(dict(shard="world"), 1)
     with bd.set_checks(False):
-        _loss_and_grads(head, *_tokens(0, 4, 1), 1)
+        loss_and_grads(head, *rank_tokens(0, 4, 1), 1)
         with pytest.raises(ValueError, match=r"ParallelClassifierHead\(in_features=8, num_classes=37, "
                                              r".*\): 9 tokens on this rank, more than the 4 every DP rank pads to"):
-            head.loss(*_tokens(0, 9, 1))
+            head.loss(*rank_tokens(0, 9, 1))
 
 
 def test_more_tokens_than_the_capacity_with_checks_off_is_named():
@@ -117,8 +44,8 @@ def test_more_tokens_than_the_capacity_with_checks_off_is_named():
 def _overflow(monkeypatch_capacity):
     ctx = bd.init_parallel(tp=2)
     sampling.sample_capacity = monkeypatch_capacity
-    head = _head(dict(sample_rate=0.9), 2)
-    loss, grad_h, grad_w = _loss_and_grads(head, *_tokens(0, 6, 1), 1)
+    head = mode_head(dict(sample_rate=0.9), 2)
+    loss, grad_h, grad_w = loss_and_grads(head, *rank_tokens(0, 6, 1), 1)
     return ctx.tp_rank, float(loss), bool(grad_h.isnan().any()), bool(grad_w.isnan().any())
 
 

@@ -128,10 +128,11 @@ def test_deepspeed_zero1_trains_a_moe_model_and_its_packed_fragments_reshard(tmp
     # The weights and moments DeepSpeed saved from its fragments are the unconverted run's, in their
     # places: a fragment put in the wrong packed half would swap gate and up moments (values of
     # order 1e-3), and their weights by the updates of four steps (order lr = 3e-3). Allowed: the
-    # fp32 round-off of four AdamW steps, up to 2e-5 where a near-zero gradient's last bits change
-    # the sign of its update (see the module docstring).
+    # fp32 round-off of four AdamW steps, up to 5e-5 where a gradient below Adam's eps (1e-8) makes
+    # its first update a tenth of lr or so, which its last bits move: measured 2.6e-5 at
+    # lm_head.weight[128, 0], whose first gradient is -6.2e-9 (see the module docstring).
     for name, (param, moment, _) in full.items():
-        assert_close(param, reference_state[name][0], f"{name} after loading", rtol=1e-4, atol=2e-5)
+        assert_close(param, reference_state[name][0], f"{name} after loading", rtol=1e-4, atol=5e-5)
         assert_close(moment, reference_state[name][1], f"{name} exp_avg after loading", rtol=1e-3, atol=1e-6)
     for rank, shards in enumerate(run_ranks(_load_at, 2, 2, "qwen3_moe", path, timeout=300)):
         for name, (param, moment, spec) in shards.items():

@@ -2,7 +2,10 @@
 converted by `bd.parallelize` with its own plan (`bigdense.testing.hf_sweep`): exact against the
 unconverted model (logits and loss before and after an SGD step, every gradient, fp32 round-off:
 check_parallel's rtol 1e-4 of each value), its checkpoint saved sharded and exported into the
-plain model bit for bit -- or refused at conversion with a message. None may differ or fail.
+plain model bit for bit -- or refused at conversion with a message. None may differ or fail. Each
+one's loss path in a `CausalLM` is named too: the fused head (its loss and every gradient held to
+the plain model's logits and F.cross_entropy, within the same rtol), or the gathered logits and why;
+at least 95% of the exact ones take the fused path.
 
 It runs against whatever transformers is installed (the tested range is pyproject.toml's), and each
 case's id and its failure table name that version. The whole sweep is slow (about 150 tiny models);
@@ -48,6 +51,10 @@ def test_a_handful_of_architectures_convert_exactly_at_tp2(transformers_version)
     assert any("dynamic mask" in why for why in by_name["doge"].kept_whole.values())
     # The experts are split, by the tensor-parallel plan (transformers <= 5.24) or the expert-parallel one.
     assert by_name["mixtral"].sharded_fraction > 0.8 and by_name["qwen3_moe"].sharded_fraction > 0.8, table
+    # The loss through the fused head, Gemma 3's tied head included; Dory's head has a learned
+    # per-class scale inside it, so it keeps its logits, and says why.
+    assert by_name["llama"].loss_path.startswith("fused") and by_name["gemma3_text"].loss_path.startswith("fused")
+    assert by_name["dory"].loss_path.startswith("gathered logits: its output head (DoryLMHead)"), table
 
 
 @pytest.mark.slow
@@ -58,6 +65,9 @@ def test_every_architecture_with_a_plan_converts_exactly_or_is_refused_at_tp2(tr
     assert len(results) == len(architectures()) >= 130, table
     exact = [r for r in results if r.status == "exact"]
     assert len(exact) >= 0.9 * len(results), table
+    fused = [r for r in exact if r.loss_path.startswith("fused")]
+    assert len(fused) >= 0.95 * len(exact), table
+    assert all(r.loss_path.startswith("gathered logits: ") and len(r.loss_path) > 30 for r in exact if r not in fused)
 
 
 @pytest.mark.slow

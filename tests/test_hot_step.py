@@ -124,10 +124,13 @@ def test_bench_gpu_needs_no_hydra_omegaconf_deepspeed_or_xxhash(tmp_path):
                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     from bigdense.bench.gpu import CASE_ORDER
+    from bigdense.bench.gpu_finetune import CONTENDERS
 
     rows = [json.loads(line) for line in (tmp_path / "g.jsonl").read_text().splitlines()]
     # Every case writes its row (the smoke run's contents: tests/test_bench_gpu.py).
-    assert sorted((r["case"], r["mode"]) for r in rows) == sorted(CASE_ORDER), rows
+    gpt = [(r["case"], r["mode"]) for r in rows if r["case"] != "finetune"]
+    assert sorted(gpt) == sorted(CASE_ORDER), rows
+    assert sorted((r["contender"], r["mode"]) for r in rows if r["case"] == "finetune") == sorted(CONTENDERS), rows
 
 
 def _embedding_bad_id(tp):

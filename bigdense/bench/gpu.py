@@ -4,6 +4,7 @@ MFU, how busy the GPU is, peak memory.
     python -m bigdense.bench.gpu --json gpu.jsonl            # about 5 minutes on one H100/H200
     python -m bigdense.bench.gpu --quick --json gpu.jsonl    # gpt_small only
     python -m bigdense.bench.gpu --peers [--profile]         # only the head against Liger, CCE, torch (bench/head_gpu.py)
+    python -m bigdense.bench.gpu --finetune --json gpu.jsonl # only the fine-tuning case (bench/gpu_finetune.py)
 
 On a CUDA machine, for ``gpt_small`` (124M) and ``gpt_1b`` (a ~1B-parameter config that fits one
 device), batch 8 x 1024 tokens, dropout 0.1, bf16 autocast with fp32 master weights, the DDP
@@ -29,7 +30,13 @@ steps timed back to back with CUDA events, then ``--busy-steps`` under ``torch.p
 tokens/s, MFU (`bigdense.train.flops`: ``6N + 12 L d S`` FLOPs per token against the device's dense
 bf16 peak), peak memory, ``gpu_busy`` and, compiled, the graphs the warm-up compiled and the graph
 breaks (`bigdense.train.compile.GraphCounts`). Then the MLP and the vocab-parallel head on one GPU
-against plain PyTorch (nn.Linear MLP; nn.Linear + F.cross_entropy on the full logits).
+against plain PyTorch (nn.Linear MLP; nn.Linear + F.cross_entropy on the full logits). Last,
+within the budget (not with ``--quick``), the fine-tuning case (`bigdense.bench.gpu_finetune`):
+one step of a 1.24B-parameter Llama with a 128,256-token vocabulary (Llama 3.2 1B's shape, random
+weights), 4 x 2048 tokens, bigdense's ``CausalLM`` (its loss through the fused head; eager and
+``trainer.compile=model``) through the DDP engine against transformers' own loss, Liger-Kernel's
+patch and Cut Cross-Entropy (each where installed): step time and peak memory, and each peer's
+ratios to bigdense eager (rows with ``case`` "finetune"; their fields in that module).
 
 Results print as a table; ``--json`` appends one JSON object per result. GPT rows: ``case`` "gpt"
 (bigdense; ``mode`` as above, ``compiled`` = mode is not eager) or "gpt_peer" (``peer``
@@ -44,7 +51,9 @@ peer before its extra modes, so a short budget (or cold compile caches) skips th
 
 Without CUDA it says so and runs a smoke test of the same code on CPU, then exits 0: model
 ``smoke``, fp32, one timed step of every case but ``model+cuda_graphs`` (skipped: no CUDA), the
-compiled ones with the aot_eager backend; ``gpu_busy`` is None (a CPU has no kernels to time).
+compiled ones with the aot_eager backend; no step runs under the profiler (a CPU has no kernels
+to time, and kineto would print its USDT lines), so ``gpu_busy`` is None; then the fine-tuning
+case at tiny shapes (model ``smoke``; the peers skipped: their kernels need CUDA).
 Needs torch only (transformers for the peer; no Hydra, no DeepSpeed): models are built from
 dataclasses and configs, nothing is downloaded.
 """
@@ -396,8 +405,11 @@ def _print_table(results: list[dict]) -> None:
     if gpt:
         _gpt_table(gpt)
         _ratio_lines(gpt)
+    from .gpu_finetune import print_table as finetune_table
+
+    finetune_table([r for r in results if r.get("case") == "finetune"])
     for r in results:
-        if r.get("case") not in ("gpt", "gpt_peer") and "error" in r:
+        if r.get("case") not in ("gpt", "gpt_peer", "finetune") and "error" in r:
             print(f"{r['case']}: {r['error'].strip().splitlines()[-1]}")
     for case in ("mlp", "head"):
         rows = [r for r in results if r.get("case") == case and "error" not in r]
@@ -409,8 +421,9 @@ def _print_table(results: list[dict]) -> None:
                   f"{rows[1]['peak_mem_gb'] / rows[0]['peak_mem_gb']:.2f} (peak memory)")
 
 
-def _smoke() -> list[dict]:
-    """The CPU smoke test: `CASE_ORDER` less `SMOKE_SKIPS` on model ``smoke``, one timed step each."""
+def _smoke(finetune_only: bool = False) -> list[dict]:
+    """The CPU smoke test: `CASE_ORDER` less `SMOKE_SKIPS` on model ``smoke`` (not with
+    ``finetune_only``), then the fine-tuning case's, one timed step each."""
     import bigdense as bd
 
     from .gpu_peer import add_ratios, available
@@ -418,10 +431,10 @@ def _smoke() -> list[dict]:
     print("bigdense.bench.gpu: no CUDA device here; running a smoke test of the benchmark on CPU "
           "(no GPU figures).")
     ctx, device = bd.init_parallel(tp=1), torch.device("cpu")
-    sched = Schedule(steps=1, warmup=1, busy_steps=1, backend="aot_eager")
+    sched = Schedule(steps=1, warmup=1, busy_steps=0, backend="aot_eager")  # busy_steps: the module docstring
     peer_skip = available()
     rows = []
-    for case, mode in CASE_ORDER:
+    for case, mode in () if finetune_only else CASE_ORDER:
         if (case, mode) in SMOKE_SKIPS:
             rows.append(_stub(case, "smoke", 1, mode, SMOKE_SKIPS[case, mode]))
         elif case == "gpt_peer" and peer_skip:
@@ -429,7 +442,16 @@ def _smoke() -> list[dict]:
         else:
             rows.append(_run_case(case, "smoke", 1, mode, sched, device, ctx))
     add_ratios(rows)
+    rows += _finetune(ctx, "smoke", device, sched, deadline=float("inf"))
     return [dict(r, smoke=True) for r in rows]
+
+
+def _finetune(ctx, model: str, device: torch.device, sched: Schedule, deadline: float) -> list[dict]:
+    """The fine-tuning case (`bigdense.bench.gpu_finetune`), measured as every case is."""
+    from . import gpu_finetune
+
+    return gpu_finetune.run(ctx, model, device, sched, precision=_precision(device), warmup_steps=_warmup_steps,
+                            release=_release, deadline=deadline)
 
 
 def main(argv=None) -> int:
@@ -446,13 +468,16 @@ def main(argv=None) -> int:
     parser.add_argument("--peers", action="store_true",
                         help="only the fused linear + cross-entropy against torch, Liger and Cut Cross-Entropy "
                              "(bench/head_gpu.py; the gpu-peers extra installs the peers)")
+    parser.add_argument("--finetune", action="store_true",
+                        help="only the fine-tuning case: a 1B Llama, bigdense's CausalLM against transformers, Liger "
+                             "and Cut Cross-Entropy (bench/gpu_finetune.py)")
     parser.add_argument("--profile", action="store_true", help="--peers: the top kernels of one bigdense call")
     parser.add_argument("--head-iters", type=int, default=10, help="--peers: timed calls per contender")
     args = parser.parse_args(argv)
     started = time.time()
 
     if not torch.cuda.is_available():
-        _emit(_smoke(), args)
+        _emit(_smoke(finetune_only=args.finetune), args)
         return 0
 
     if args.peers:
@@ -471,6 +496,11 @@ def main(argv=None) -> int:
     device, sched = torch.device("cuda", 0), Schedule(args.steps, args.warmup, args.busy_steps, "inductor")
     if args.busy_steps > 0 and (why := warm_profiler(device)):
         print(f"  the profiler failed to start ({why}); gpu_busy will be missing")
+    if args.finetune:
+        import bigdense as bd
+
+        _emit(_finetune(bd.init_parallel(tp=1), "llama_1b", device, sched, started + args.budget_s), args)
+        return 0
     cases = _cases(args, n_gpus, peer_skip)
     results: list[dict] = []
     if peer_skip:
@@ -501,6 +531,8 @@ def main(argv=None) -> int:
             results += [_stub(*c, error="skipped: time budget") for c in tp_cases]
             continue
         results.extend(_run_tp(tp, tp_cases, sched, max(30.0, left)))
+    if not args.quick:
+        results.extend(_finetune(ctx, "llama_1b", device, sched, started + args.budget_s))
     add_ratios(results)
     _emit(results, args)
     return 0

@@ -9,7 +9,8 @@ GPT. `twin_step` trains it as `bigdense.train.engines.DDPEngine` does: fp32 mast
 autocast on the forward (fp32 on a CPU), torch's fused AdamW with the same hyper-parameters and
 weight-decay groups (`param_groups`: decay on matrices only), ``clip_grad_norm_`` (foreach) at
 ``optim.grad_clip``, eager or with the whole model under ``torch.compile``. The loss is the
-model's own (``labels=input_ids``; transformers shifts them).
+model's own (``labels=input_ids``; transformers shifts them), or what ``loss_of`` computes (the
+fine-tuning case's Cut Cross-Entropy peer, `bigdense.bench.gpu_finetune`).
 
 `add_ratios` puts ``ratio_vs_bigdense`` (peer step ms / bigdense step ms) on the peer rows: eager
 against bigdense eager, compiled against bigdense's fastest compiled mode.
@@ -58,9 +59,12 @@ def build_twin(spec: dict, dropout: float, attention_dropout: float, device: tor
 
 
 def twin_step(model: torch.nn.Module, optim, input_ids: torch.Tensor, *, precision: str, compiled: bool,
-              backend: str = "inductor") -> Callable[[], torch.Tensor]:
+              backend: str = "inductor",
+              loss_of: Optional[Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]] = None,
+              ) -> Callable[[], torch.Tensor]:
     """One training step of ``model`` on ``input_ids`` (see the module docstring); returns the
-    step as a function returning the loss (a detached tensor: nothing is read on the host)."""
+    step as a function returning the loss (a detached tensor: nothing is read on the host).
+    ``loss_of(model, input_ids)``: the loss, in place of the model's own with ``labels``."""
     from bigdense.train.compile_counts import backend_for
     from bigdense.train.engines.base import param_groups
 
@@ -75,7 +79,10 @@ def twin_step(model: torch.nn.Module, optim, input_ids: torch.Tensor, *, precisi
     def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = forward(input_ids=input_ids, labels=input_ids).loss
+            if loss_of is None:
+                loss = forward(input_ids=input_ids, labels=input_ids).loss
+            else:
+                loss = loss_of(forward, input_ids)
         loss.backward()
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=True)

@@ -116,11 +116,11 @@ def _counting_kernels(counter: CostCounter):
     """`CEKernels` stubs: each call is one launch moving what its contract reads and writes."""
     from bigdense.kernels.softmax_ce import CEKernels
 
-    def row_stats(z, target, offset, real, smoothing, out):
+    def row_stats(z, target, offset, real, smoothing, out, softcap=0.0):  # a softcap is computed in registers
         counter.launch(_nbytes(z) + _nbytes(target) + _nbytes(out))
         return out
 
-    def softmax_grad_(z, stats, target, offset, real, weight, eps, smooth):
+    def softmax_grad_(z, stats, target, offset, real, weight, eps, smooth, softcap=0.0, z_loss=0.0):
         counter.launch(2 * _nbytes(z) + _nbytes(stats) + _nbytes(target) + _nbytes(weight))
         return z
 

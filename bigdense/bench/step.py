@@ -2,7 +2,7 @@
 
     python -m bigdense.bench.step                 # gpt_small op counts + a tp=2 timed GPT, ~3 min on 2 cores
     python -m bigdense.bench.step --quick --json step.jsonl
-    python -m bigdense.bench.step --compile model --json step.jsonl   # eager against trainer.compile=model
+    python -m bigdense.bench.step --compile model --backend inductor   # eager against trainer.compile=model
 
 Three measurements, each of the tile-loop dropout bigdense used to have (``baseline``, kept here
 verbatim as `tiled_dropout`, with host-side checks on as they then always were) against the
@@ -30,7 +30,11 @@ graphs its first step compiled -- ``graphs_forward`` (Dynamo's), ``graphs_backwa
 (AOTAutograd's) -- and the ``graph_breaks`` it took (`bigdense.train.compile.GraphCounts`), beside
 the eager step's aten ops and host syncs and the compiled graphs' ``kernels``
 (`bigdense.train.compile_counts`: inductor's generated kernels plus the aten ops it leaves, or
-aot_eager's aten ops; a dispatch-mode count cannot see inside compiled code).
+aot_eager's aten ops; a dispatch-mode count cannot see inside compiled code). Every count is the
+same run after run on one machine; inductor's also depends on the vector instructions it generates
+its C++ kernels for, the CPU's widest (``vec_isa``, printed with the count;
+``ATEN_CPU_CAPABILITY=default``: none), so two machines' counts compare only at the same
+``vec_isa`` (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -230,11 +234,23 @@ def _timed_compiled(args):
     return times, graphs, (counter.ops, step_counter.syncs)
 
 
+def _vec_isa(backend: str) -> str | None:
+    """The vector instructions inductor generates its CPU kernels for (``"avx2"``, ``"avx512"``,
+    ...; ``"none"``: scalar code), which its kernel count depends on; None for other backends."""
+    if backend != "inductor":
+        return None
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    return str(isa) if isa else "none"
+
+
 def _report_compiled(args) -> list[dict]:
     from bigdense.testing import run_ranks
 
     times, graphs, eager_counts = run_ranks(_timed_compiled, 2, args, timeout=3600, collective_timeout=600)[0]
     med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    isa = _vec_isa(args.backend)
     print(f"GPT d={args.d} x {args.layers} layers, {args.heads} heads, vocab {args.vocab}, batch {args.batch}, "
           f"seq {args.seq}, fp32, dropout 0.1 everywhere, tp=2 on 2 gloo CPU processes x 1 thread, engine.train_step: "
           f"eager against trainer.compile={args.compile} (backend {args.backend}), median of {args.iters}, interleaved")
@@ -244,10 +260,10 @@ def _report_compiled(args) -> list[dict]:
     print(f"  step time: eager {med['eager']:8.1f} ms   compiled {med['compiled']:8.1f} ms   "
           f"ratio {med['eager'] / med['compiled']:.2f}x")
     print(f"  launches per forward + backward: eager {eager_counts[0]} aten ops   compiled {graphs['kernels']} "
-          f"({'generated kernels + aten ops left' if args.backend == 'inductor' else 'aten ops in its graphs'}); "
+          f"({f'generated kernels for {isa} + aten ops left' if isa else 'aten ops in its graphs'}); "
           f"clipping and AdamW run eagerly in both")
     print(f"  host syncs per step: eager {eager_counts[1]}; compiled: no graph break, so none inside its graphs")
-    return [dict(bench="step", metric="compile", compile=args.compile, backend=args.backend, d=args.d,
+    return [dict(bench="step", metric="compile", compile=args.compile, backend=args.backend, vec_isa=isa, d=args.d,
                  layers=args.layers, seq=args.seq, batch=args.batch, tp=2, **graphs,
                  ops_forward_backward_eager=eager_counts[0], host_syncs_eager=eager_counts[1],
                  step_ms=med["compiled"], step_ms_eager=med["eager"], ratio=med["eager"] / med["compiled"])]

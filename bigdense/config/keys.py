@@ -30,10 +30,26 @@ def schema_keys(schema=None, prefix: str = "") -> dict[str, bool]:
     return keys
 
 
+def key_hints(schema=None, prefix: str = "") -> dict[str, str]:
+    """``{key: hint}``: what a key does, for the keys whose schema field says it (``metadata["hint"]``,
+    read after the key's name), where a name close to a typo could be taken for something else
+    (``model.low_rank`` for adapters)."""
+    if schema is None:
+        schema = TrainConfig
+    hints = {}
+    for f in fields(schema):
+        if "hint" in f.metadata:
+            hints[prefix + f.name] = f.metadata["hint"]
+        if is_dataclass(f.default_factory):
+            hints.update(key_hints(f.default_factory, prefix + f.name + "."))
+    return hints
+
+
 def unknown_key_error(key: str) -> ConfigError:
     """`ConfigError` for a key no schema defines, naming the closest valid key: the same name in
     another group (trainer.lr -> optim.lr), else a close one in the same group (trainer.max_step ->
-    trainer.max_steps), else a close name anywhere (modle.d_model -> model.d_model)."""
+    trainer.max_steps), else a close name anywhere (modle.d_model -> model.d_model); with what that
+    key is, when its schema field gives a hint (`key_hints`)."""
     valid = schema_keys()
     group, _, leaf = key.rpartition(".")
     in_group = [k for k in valid if group and k.startswith(group + ".")]
@@ -43,6 +59,9 @@ def unknown_key_error(key: str) -> ConfigError:
               or [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.8)]
               or difflib.get_close_matches(key, list(valid), n=1, cutoff=0.6)))
     hint = f"; did you mean {close[0]}?" if close else ""
+    what = key_hints().get(close[0]) if close else None
+    if what:
+        hint += f" {close[0]} {what}"
     return ConfigError(f"{key} is not a config key{hint} (every key is documented in bigdense/config/schema.py)")
 
 

@@ -36,14 +36,24 @@ class ModelConfig:
     vocab_size: Optional[int] = None
     # Tokens per chunk of the fused vocab-parallel cross-entropy; None: the head picks one from a memory budget.
     head_chunk_size: Optional[int] = GPTConfig.head_chunk_size
+    # The GPT's logits are softcap * tanh(z / softcap) (Gemma 2's final_logit_softcapping); null: plain.
+    # model=hf: the model's own transform applies (found from the model), this key must stay null.
+    softcap: Optional[float] = GPTConfig.softcap
+    z_loss: float = GPTConfig.z_loss  # each counted token's loss adds z_loss * lse**2 (PaLM's z-loss); gpt and hf
     init: str = GPTConfig.init  # a name from bigdense.INITIALIZERS
     # {module path: rank} or null: build these dense layers as low-rank pairs (as written by
-    # `python -m bigdense.compress`; override syntax: 'model.low_rank={blocks.0.mlp.up:48}')
-    low_rank: Any = None
+    # `python -m bigdense.compress`; override syntax: 'model.low_rank={blocks.0.mlp.up:48}').
+    # Its "hint" follows its name when a typo's closest key is this one (bigdense.config.keys).
+    low_rank: Any = field(default=None, metadata={"hint": (
+        "builds the named dense layers as low-rank pairs, as `python -m bigdense.compress` writes them, in their "
+        "place; it adds no adapters (bigdense has no LoRA: a fine-tune, model=hf, trains the model's own weights)")})
     # model.name=hf: a directory written by transformers' save_pretrained (config.json, *.safetensors and,
     # when present, tokenizer.json, whose tokenizer then encodes the data)
     path: Optional[str] = None
     freeze_embeddings: bool = False  # model.name=hf: the input embeddings (and a head tied to them) stay as loaded
+    # model.name=hf: the loss through bigdense's fused head (no whole logits), the model's logit transform found
+    # and proved when it is converted (bigdense.models.hf_loss); false keeps its logits and F.cross_entropy.
+    fused_loss: bool = True
 
 
 @dataclass
@@ -116,7 +126,8 @@ class DataConfig:
     seq_len: int = 128
     micro_batch_size: int = 8  # sequences per data-parallel rank per micro-step
     grad_accum: int = 1  # micro-steps per optimizer step
-    val_fraction: float = 0.02  # share of files held out for evaluation
+    # Share of files held out for evaluation, in (0, 1); of a single file's text, its tail (docs/training.md)
+    val_fraction: float = 0.02
     cache_dir: Optional[str] = None  # None: $BIGDENSE_CACHE or ~/.cache/bigdense
 
 
@@ -163,6 +174,8 @@ class HeadConfig:
     sample_rate: float = 1.0  # in (0, 1]: the share of non-target classes each step scores (Partial FC)
     margin: Any = None  # null, "arcface", "cosface" or [m1, m2, m3]: cos(m1 * theta + m2) - m3
     scale: float = 64.0  # the logit scale of a margin head
+    softcap: Optional[float] = None  # logits softcap * tanh(z / softcap); null: none (not with a margin)
+    z_loss: float = 0.0  # each sample's loss adds z_loss * lse**2; 0: none
 
 
 @dataclass

@@ -13,6 +13,7 @@ from ..data.prepare import check_data
 from ..errors import ConfigError, check_choice, check_positive
 from ..layers.head.modes import SHARD_MODES
 from ..layers.init import INITIALIZERS
+from ..layers.head.fused_ce import check_logit_options
 from ..layers.head.margin import resolve_margin
 from ..layers.mlp import ACTIVATIONS
 from ..compression.prune_schedule import check_prune_schedule
@@ -60,6 +61,7 @@ def validate(cfg, world_size: int, device_type: str) -> ParallelDims:
     _check_init_from(getattr(cfg.trainer, "init_from", None))
     check_prune_schedule(cfg.prune, cfg.engine.kind)
     dims = ParallelDims.resolve(cfg.parallel.tp, cfg.parallel.dp, world_size)
+    _check_logit_options("model", m)
     if m.name == "hf":
         _validate_hf_model(cfg)
     else:
@@ -90,6 +92,9 @@ def _validate_gpt_model(cfg, tp: int, world_size: int) -> None:
         raise ConfigError(f"model.low_rank must be a mapping {{module path: rank}} or null, got {low_rank!r}")
     for path, rank in (low_rank or {}).items():
         check_positive(f"model.low_rank[{path}]", rank)
+    if not getattr(m, "fused_loss", True):
+        raise ConfigError("model.fused_loss=false keeps a model=hf model's own logits path; bigdense's GPT always "
+                          "computes its loss through the fused head")
     if getattr(m, "freeze_embeddings", False):
         raise ConfigError(f"model.freeze_embeddings applies to model=hf (a fine-tuned Hugging Face model), not "
                           f"model.name={m.name!r}")
@@ -117,6 +122,10 @@ def _validate_hf_model(cfg) -> None:
                           f"{source.vocab_size}: set data.vocab_size<={source.vocab_size}")
     if cfg.model.low_rank:
         raise ConfigError("model.low_rank builds bigdense's GPT with low-rank layers; it does not apply to model=hf")
+    if cfg.model.softcap:
+        raise ConfigError(f"model.softcap={cfg.model.softcap} caps bigdense's GPT's logits; a model=hf model keeps its own "
+                          f"logit transform (its config's final_logit_softcapping, found when it is converted): leave "
+                          f"model.softcap null")
     if cfg.parallel.sequence_parallel:
         raise ConfigError("parallel.sequence_parallel=true splits bigdense's GPT along the sequence; model=hf is "
                           "converted by its own Hugging Face plan, whose sequence_parallel entries decide that")
@@ -134,10 +143,19 @@ def _check_init_from(init_from) -> None:
         raise ConfigError(f"trainer.init_from={init_from!r}: {err}") from None
 
 
+def _check_logit_options(group: str, options) -> None:
+    """``<group>.softcap`` and ``<group>.z_loss`` by the fused loss's rule (`check_logit_options`)."""
+    try:
+        check_logit_options(f"{group}.", getattr(options, "softcap", None), getattr(options, "z_loss", None))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def _validate_head(cfg) -> None:
     """The head's own rules (from `bigdense.layers`), reported under their config keys."""
 
     head = cfg.head
+    _check_logit_options("head", head)
     check_choice("head.shard", head.shard, SHARD_MODES)
     margin = head.margin if head.margin is None or isinstance(head.margin, str) else tuple(head.margin)
     for key, check in (("head.sample_rate", lambda: check_sample_rate(head.sample_rate, "head")),

@@ -25,12 +25,40 @@ def _check_rank(dp_rank: int, dp_size: int) -> None:
         raise ValueError(f"dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
 
 
+def window(seq_len: int) -> int:
+    """Tokens of one window: ``seq_len`` inputs and the target after the last."""
+    return seq_len + 1
+
+
 def _check_length(tokens: np.ndarray, seq_len: int, split: str) -> None:
-    if len(tokens) < seq_len + 1:
+    if len(tokens) < window(seq_len):
         raise ConfigError(
-            f"the {split} split has {len(tokens)} tokens, fewer than data.seq_len + 1 = {seq_len + 1}: "
+            f"the {split} split has {len(tokens)} tokens, fewer than data.seq_len + 1 = {window(seq_len)}: "
             "lower data.seq_len, or give more text (data.max_corpus_mb, data.path, data.val_fraction)"
         )
+
+
+def balance_splits(train: np.ndarray, val: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(train, val)`` holding one window each at least: a split shorter than that takes what it
+    lacks from the other, the held-out split from the end of the training split, the training split
+    from the start of the held-out one (for one file, the text beside the cut), so too few files, or
+    a file's held-out tail shorter than a window, still give both. Nothing is in both. The longer
+    split stays a view (a memory map stays one); the short one becomes a small copy. Raises
+    `ConfigError` when the two together hold fewer than two windows."""
+    need, total = window(seq_len), len(train) + len(val)
+    if total < 2 * need:
+        raise ConfigError(
+            f"the corpus holds {total:,} tokens ({len(train):,} to train on, {len(val):,} held out), fewer than two "
+            f"windows of data.seq_len + 1 = {need} (one to train on, one held out): lower data.seq_len, or give "
+            "more text (data.path, data.max_corpus_mb)"
+        )
+    if len(val) < need:
+        cut = len(train) - (need - len(val))
+        return train[:cut], np.concatenate([train[cut:], val])
+    if len(train) < need:
+        cut = need - len(train)
+        return np.concatenate([train, val[:cut]]), val[cut:]
+    return train, val
 
 
 class BatchSampler:

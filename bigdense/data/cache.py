@@ -93,9 +93,7 @@ def build(path: Path, key: str, files: Sequence[CorpusFile], vocab_size: int, va
     dropped) and against interruption (nothing appears under ``path`` until it is complete).
     """
     t0 = time.perf_counter()
-    corpus = read_corpus(files, val_fraction)
-    if not corpus.train:
-        raise ValueError("no training text: every file of the training split is empty or not UTF-8")
+    corpus = read_corpus(files, val_fraction)  # a ConfigError when no file holds text
     tokenizer = tokenizer_file.load() if tokenizer_file else BPETokenizer.train(corpus.train, vocab_size)
     train = tokenizer.encode_documents(corpus.train)
     val = tokenizer.encode_documents(corpus.val)

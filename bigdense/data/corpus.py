@@ -34,7 +34,8 @@ class CorpusFile:
 @dataclass
 class Corpus:
     """Decoded text, one string per document. ``train`` and ``val`` never share a file, except when
-    the source is a single file, whose tail is then held out."""
+    a single file holds text (one given as ``data.path``, or the only one that decodes), whose tail
+    is then held out."""
 
     train: list[str]
     val: list[str]
@@ -103,9 +104,13 @@ def list_files(source: str, path: str | None, pattern: str, max_corpus_mb: float
         files.append(CorpusFile(rel, p, size, take))
         total += take
     if not files:
-        where = f"data.path={path!r}" if source == "files" else f"data.source=stdlib ({root})"
-        raise ConfigError(f"{where}: no non-empty file matches data.pattern={pattern!r}")
+        raise ConfigError(f"{source_name(source, path, root)}: no non-empty file matches data.pattern={pattern!r}")
     return root, files
+
+
+def source_name(source: str, path: str | None, root: Path) -> str:
+    """The source as its config keys name it, for messages: ``data.path='notes.txt'``."""
+    return f"data.path={path!r}" if source == "files" else f"data.source=stdlib ({root})"
 
 
 def held_out_share(rel: str) -> float:
@@ -117,14 +122,17 @@ def held_out_share(rel: str) -> float:
 
 def split_files(files: Sequence[CorpusFile], val_fraction: float) -> tuple[list[CorpusFile], list[CorpusFile]]:
     """``(train, val)`` by file. A corpus of two files or more always has at least one of each: if
-    the hash leaves a side empty, the file closest to the threshold moves over."""
+    the hash leaves a side empty, the file closest to the threshold moves over. A single file is
+    training text, whatever its hash (`read_corpus` holds out its tail)."""
+    if len(files) == 1:
+        return list(files), []
     val = [f for f in files if held_out_share(f.rel) < val_fraction]
     train = [f for f in files if held_out_share(f.rel) >= val_fraction]
-    if len(files) >= 2 and not val:
+    if not val:
         first = min(train, key=lambda f: held_out_share(f.rel))
         train.remove(first)
         val = [first]
-    if len(files) >= 2 and not train:
+    if not train:
         last = max(val, key=lambda f: held_out_share(f.rel))
         val.remove(last)
         train = [last]
@@ -143,27 +151,53 @@ def _read(f: CorpusFile) -> str:
 
 def read_corpus(files: Sequence[CorpusFile], val_fraction: float) -> Corpus:
     """Decode the files and split them. Files that are not valid UTF-8 are skipped (listed in
-    ``skipped``); a single file is split at the line nearest to ``1 - val_fraction`` of its text."""
-    train_files, val_files = split_files(files, val_fraction)
+    ``skipped``); the split is by file (`split_files`) among the files that hold text, and when only
+    one does, within it: at the line nearest to ``1 - val_fraction`` of its text. Raises
+    `ConfigError` when no file holds text."""
+    texts: dict[str, str] = {}
     skipped: list[str] = []
-
-    def decode(group):
-        out = []
-        for f in group:
-            try:
-                text = _read(f)
-            except UnicodeDecodeError:
-                skipped.append(f.rel)
-                continue
-            if text:
-                out.append(text)
-        return out
-
-    train, val = decode(train_files), decode(val_files)
-    if len(files) == 1 and train:
-        text = train[0]
-        cut = text.rfind("\n", 0, int(len(text) * (1.0 - val_fraction)))
-        cut = cut + 1 if cut >= 0 else int(len(text) * (1.0 - val_fraction))
-        train, val = [text[:cut]], [text[cut:]]
+    for f in files:
+        try:
+            text = _read(f)
+        except UnicodeDecodeError:
+            skipped.append(f.rel)
+            continue
+        if text:
+            texts[f.rel] = text
+    if not texts:
+        raise ConfigError(no_text(files, skipped))
+    if len(texts) == 1:
+        (text,) = texts.values()
+        train, val = split_text(text, val_fraction)
+    else:
+        train_files, val_files = split_files([f for f in files if f.rel in texts], val_fraction)
+        train, val = [texts[f.rel] for f in train_files], [texts[f.rel] for f in val_files]
     n_bytes = sum(len(t.encode("utf-8")) for t in (*train, *val))
     return Corpus([t for t in train if t], [t for t in val if t], n_bytes, skipped)
+
+
+def split_text(text: str, val_fraction: float) -> tuple[list[str], list[str]]:
+    """``([head], [tail])`` of one document: cut after the last line end before ``1 - val_fraction``
+    of its characters (there, when no line ends before)."""
+    at = int(len(text) * (1.0 - val_fraction))
+    cut = text.rfind("\n", 0, at)
+    cut = cut + 1 if cut >= 0 else at
+    return [text[:cut]], [text[cut:]]
+
+
+def no_text(files: Sequence[CorpusFile], skipped: Sequence[str]) -> str:
+    """Why ``files`` give no text: which are not UTF-8, which have no line end within the limit
+    (``data.max_corpus_mb`` cut them before their first)."""
+    cut = [f.rel for f in files if f.rel not in skipped]
+    reasons = []
+    if skipped:
+        reasons.append(f"{_names(skipped)} {'is' if len(skipped) == 1 else 'are'} not UTF-8")
+    if cut:
+        reasons.append(f"{_names(cut)} {'has' if len(cut) == 1 else 'have'} no line end within data.max_corpus_mb")
+    where = str(files[0].path) if len(files) == 1 else f"the {len(files)} files listed"
+    return f"no text to train on in {where}: {'; '.join(reasons)}. Give UTF-8 text (data.path, data.pattern)"
+
+
+def _names(rels: Sequence[str], shown: int = 3) -> str:
+    more = f" and {len(rels) - shown} more" if len(rels) > shown else ""
+    return ", ".join(rels[:shown]) + more

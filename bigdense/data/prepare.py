@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, check_positive
 from . import cache
-from .batches import BatchSampler, _check_length, eval_batches
-from .corpus import list_files, source_root
+from .batches import BatchSampler, _check_length, balance_splits, eval_batches, window
+from .corpus import CorpusFile, list_files, source_name, source_root
 from .tokenizer import MIN_VOCAB, BPETokenizer, TokenizerFile
 
 log = logging.getLogger("bigdense")
@@ -27,7 +27,9 @@ class Data:
     """The prepared corpus of one run.
 
     ``train_tokens``/``val_tokens`` are read-only 1-D memory maps (uint16, or uint32 above 65536
-    entries), documents separated by ``tokenizer.eot_id``; no file contributes to both.
+    entries), documents separated by ``tokenizer.eot_id``; no token is in both, and no file
+    contributes to both unless the split had to go within one (a single file, or a split too short
+    for a window: `balance_splits`, whose short split is a small copy in memory).
     """
 
     tokenizer: BPETokenizer
@@ -93,6 +95,28 @@ def check_data(cfg) -> None:
         check_positive(f"data.{key}", getattr(cfg, key))
 
 
+# A token holds one byte of text at least; a document adds its end-of-text token and, with some
+# models' tokenizers, a prefix: at most this many tokens beyond its bytes.
+EXTRA_TOKENS_PER_FILE = 2
+
+
+def check_corpus(cfg) -> tuple[Path, list[CorpusFile]]:
+    """``(root, files)`` of the ``data`` group ``cfg`` (`list_files`: sizes only, nothing read), or a
+    `ConfigError` when no file matches or their bytes cannot give two windows of tokens, one to
+    train on and one held out (`balance_splits` finds the exact count once the text is tokenised).
+    The launchers ask it before Hydra makes the run directory (`bigdense.jobs.run`)."""
+    root, files = list_files(cfg.source, cfg.path, cfg.pattern, cfg.max_corpus_mb)
+    n_bytes = sum(f.take for f in files)
+    need = 2 * window(cfg.seq_len)
+    if n_bytes + EXTRA_TOKENS_PER_FILE * len(files) < need:
+        raise ConfigError(
+            f"{source_name(cfg.source, cfg.path, root)}: {len(files)} file(s) of {n_bytes:,} bytes in all, too little "
+            f"text for two windows of data.seq_len + 1 = {window(cfg.seq_len)} tokens (one to train on, one held "
+            "out; a token holds a byte at least): lower data.seq_len, or give more text (data.path, data.max_corpus_mb)"
+        )
+    return root, files
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -121,15 +145,31 @@ def _everywhere(selected: bool, fn: Callable[[], None], rank: int) -> None:
         # The waiting ranks sit in this collective for as long as the build takes, which is not
         # bounded by parallel.timeout_s (meant for training's collectives): a group of its own.
         wait_group = dist.new_group(backend="gloo", timeout=BUILD_WAIT)
-        messages = [None] * dist.get_world_size()
-        dist.all_gather_object(
-            messages, None if error is None else f"rank {rank}: {type(error).__name__}: {error}", group=wait_group
-        )
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, _report(error, rank), group=wait_group)
         dist.destroy_process_group(wait_group)
-        if error is None and any(messages):
-            raise RuntimeError("data preparation failed on another rank: " + next(m for m in messages if m))
+        if error is None and any(reports):
+            _raise_peers(reports, "data preparation failed on another rank: ")
     if error is not None:
         raise error
+
+
+def _report(error: Optional[BaseException], rank: int) -> Optional[tuple[bool, str]]:
+    """What the other ranks hear of ``error``: whether it is a `ConfigError`, and its words."""
+    if error is None:
+        return None
+    if isinstance(error, ConfigError):
+        return True, str(error)
+    return False, f"rank {rank}: {type(error).__name__}: {error}"
+
+
+def _raise_peers(reports, prefix: str) -> None:
+    """Raise the first failure another rank reported: a `ConfigError` as itself (every rank then
+    ends with the same one line), anything else as a `RuntimeError` that says where it happened."""
+    is_config, message = next(r for r in reports if r)
+    if is_config:
+        raise ConfigError(message)
+    raise RuntimeError(prefix + message)
 
 
 # The cost of a first build (BPE training plus encoding) per MB of text, seen from a quiet 2-core
@@ -167,7 +207,7 @@ def prepare_data(cfg, ctx=None, *, seed: int = 0, tokenizer: Optional[TokenizerF
     vocab_size = tokenizer.vocab_size if tokenizer else cfg.vocab_size
     t0 = time.perf_counter()
     try:
-        root, files = list_files(cfg.source, cfg.path, cfg.pattern, cfg.max_corpus_mb)
+        root, files = check_corpus(cfg)
         key = cache.fingerprint(cfg.source, root, files, vocab_size, cfg.val_fraction, tokenizer)
     except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then re-raised
         if not _distributed():
@@ -177,12 +217,11 @@ def prepare_data(cfg, ctx=None, *, seed: int = 0, tokenizer: Optional[TokenizerF
         error = None
     if _distributed():  # agree on the corpus; a rank that cannot see it stops them all
         found = [None] * dist.get_world_size()
-        dist.all_gather_object(found, (key, None if error is None else str(error)))
+        dist.all_gather_object(found, (key, _report(error, ctx.rank)))
         if error is not None:
             raise error
-        problems = [f"rank {r}: {msg}" for r, (_, msg) in enumerate(found) if msg]
-        if problems:
-            raise RuntimeError(problems[0])
+        if any(report for _, report in found):
+            _raise_peers([report for _, report in found], "")
         if len({k for k, _ in found}) > 1:
             raise ConfigError(
                 f"the ranks see different corpora for data.source={cfg.source!r} (data.path={cfg.path!r}): "
@@ -206,8 +245,14 @@ def prepare_data(cfg, ctx=None, *, seed: int = 0, tokenizer: Optional[TokenizerF
     loaded = cache.load(path, key, vocab_size)
     if loaded is None:
         raise RuntimeError(f"the data cache {path} is missing or unreadable right after it was built")
+    train, val = balance_splits(loaded.train, loaded.val, cfg.seq_len)
+    if len(val) != len(loaded.val):
+        short, other = ("held-out", "training") if len(val) > len(loaded.val) else ("training", "held-out")
+        log.info("data: the %s split holds %d tokens, fewer than a window of data.seq_len + 1 = %d: it takes %d "
+                 "from the %s split", short, min(len(loaded.train), len(loaded.val)), window(cfg.seq_len),
+                 abs(len(val) - len(loaded.val)), other)
     return Data(
-        tokenizer=loaded.tokenizer, train_tokens=loaded.train, val_tokens=loaded.val, seq_len=cfg.seq_len,
+        tokenizer=loaded.tokenizer, train_tokens=train, val_tokens=val, seq_len=cfg.seq_len,
         micro_batch_size=cfg.micro_batch_size, seed=seed, dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
         cache_path=path, manifest=loaded.manifest, built=bool(built), load_s=time.perf_counter() - t0,
     )

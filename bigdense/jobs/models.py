@@ -44,7 +44,7 @@ def build_hf(cfg, keep_files_in: Optional[Path] = None) -> CausalLM:
     if keep_files_in is not None:
         source.keep_beside(keep_files_in)
     lm = source.meta_model()
-    return CausalLM(lm, pretrained=str(source.path))
+    return CausalLM(lm, pretrained=str(source.path), z_loss=cfg.model.z_loss, fused_loss=cfg.model.fused_loss)
 
 
 def build_text_classifier(cfg, vocab_size: int, num_classes: int, ctx: ParallelContext) -> TextClassifier:
@@ -58,4 +58,4 @@ def build_text_classifier(cfg, vocab_size: int, num_classes: int, ctx: ParallelC
     with torch.device(ctx.device):
         return TextClassifier(gpt_config(cfg, vocab_size), num_classes, tp_group=ctx.tp_group,
                               dp_group=ctx.dp_group, shard=head.shard, sample_rate=head.sample_rate, margin=margin,
-                              scale=head.scale)
+                              scale=head.scale, softcap=head.softcap, z_loss=head.z_loss)

@@ -8,7 +8,10 @@ bigdense.compress`, the memory planner's measurement).
 2. The starting weights, loaded into the plain model before an engine takes copies of them
    (DeepSpeed's fp32 masters): ``init_from`` (a checkpoint of any layout), else a Hugging Face
    model's own directory (`load_hf_weights`, each rank reading its shards; a model built on the
-   meta device is allocated first). Then frozen embeddings (``model.freeze_embeddings``).
+   meta device is allocated first). Then frozen embeddings (``model.freeze_embeddings``), and a
+   `CausalLM`'s loss path (`CausalLM.prepare_loss`: the fused head, its logit transform proved on
+   a probe batch, or the gathered logits and why; logged), on the weights just loaded or, for a
+   resumed run whose checkpoint comes later, on placeholder weights.
 3. ``torch.compile`` of each transformer block (``trainer.compile=blocks``).
 4. Activation checkpointing (the ``recompute`` group), around the compiled blocks.
 5. ``torch.compile`` of the whole model's forward (``trainer.compile=model``), around the
@@ -65,6 +68,7 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext, cfg, *, init_from:
         model = parallelize(model, tp_group=ctx.tp_group)
     if any(p.device.type == "meta" for p in model.parameters()):
         allocate_empty(model, ctx.device)
+    weights_loaded = bool(init_from) or (load_pretrained and bool(getattr(model, "pretrained", None)))
     if init_from:
         meta = _load_starting_weights(init_from, model, cfg)
         log.info("model weights from %s (saved at step %s)", meta.path, meta.step)
@@ -74,6 +78,10 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext, cfg, *, init_from:
                  f"{unused[:4]})" if unused else "")
     if getattr(cfg.model, "freeze_embeddings", False):
         log.info("frozen (model.freeze_embeddings): %s", ", ".join(model.freeze_embeddings()))
+    if isinstance(model, CausalLM):  # (a resumed run's checkpoint is read later: placeholder weights meanwhile)
+        path = model.prepare_loss(weights_loaded=weights_loaded)
+        (log.info if path.fused or not model.fused_loss else log.warning)(
+            "loss of %s: %s", type(model.lm).__name__, path.describe())
     blocks = getattr(model, "blocks", None)
     if blocks is None and cfg.recompute.mode != "none":
         raise ConfigError(f"recompute.mode acts on a model's transformer blocks (its `blocks`); "

@@ -4,10 +4,11 @@ the body of their Hydra ``main``, and `CheckConfigFirst` the Hydra callback (``h
 directory, so a launch stopped by its config leaves no directory behind (the job checks it again,
 for callers that come without Hydra).
 
-Every message that ends a launch is printed once and, under torchrun, handed to torchrun's error
-file, so it is also the last thing torchrun prints (`bigdense.jobs.setup.stop`); once the run
-directory exists it is also written to this rank's log file there, which would otherwise not say
-why the launch ended. A bad config and a checkpoint that cannot be loaded exit with code 2; a fault
+Every message that ends a launch is printed once, by rank 0 as it exits (under torchrun, before
+torchrun's own report of the failure), and, under torchrun, handed to torchrun's error file, so it
+is also the last thing torchrun prints (`bigdense.jobs.setup.stop`); once the run directory exists
+it is also written to this rank's log file there, which would otherwise not say why the launch
+ended. A bad config and a checkpoint that cannot be loaded exit with code 2; a fault
 the run cannot continue past (a second rollback at the same place, a failed save under
 ``trainer.on_save_error=stop``) with 1; a failed collective exits at once with 1, on every rank with
 its own view of it, so that a launcher with restarts resumes from ``latest`` (a background save
@@ -26,6 +27,7 @@ from omegaconf import open_dict, read_write
 
 from ..checkpoint import CheckpointError
 from ..config import check_override_keys
+from ..data.prepare import check_corpus
 from ..errors import ConfigError
 from ..train.faults import CollectiveFailure, TrainingStopped
 from .setup import HeldStderr, check_config, stop, tell_launcher
@@ -56,9 +58,10 @@ def run_job(job: Callable, cfg) -> None:
 
 class CheckConfigFirst(Callback):
     """Hydra's ``on_run_start``, which comes after the config is composed and before the run
-    directory is made: the job's config is checked there (`check_config`, on every rank), so a
-    bad value stops the launch before anything is written. A sweep's jobs are checked each in
-    its own directory, by the job."""
+    directory is made: the job's config is checked there (`check_config`, on every rank), and its
+    corpus listed (`check_corpus`: no file, or too few bytes for two windows), so a bad value stops
+    the launch before anything is written. A sweep's jobs are checked each in its own directory, by
+    the job."""
 
     def on_run_start(self, config, **kwargs) -> None:
         job_config = copy.deepcopy(config)  # what the job gets: the config without Hydra's own node
@@ -67,6 +70,7 @@ class CheckConfigFirst(Callback):
         # Hydra turns a callback's exception into a warning and goes on; `exits` stops the launch.
         with exits():
             check_config(job_config)
+            check_corpus(job_config.data)  # the files listed, by size: too few stop the launch here too
 
 
 @contextlib.contextmanager

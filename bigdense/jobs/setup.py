@@ -82,18 +82,20 @@ def stop(message: str, code: int):
     """Print a message that every rank meets alike (a bad config, a checkpoint that cannot be
     loaded) once, then exit with ``code``.
 
-    Rank 0 prints at once. The other ranks leave it to rank 0: torchrun stops every rank once one
+    Rank 0 prints at once, to the console itself: under torchrun its line comes before torchrun's
+    own report of the failure (a stack trace, then the peers it stopped), so it is among the first
+    lines on the screen. The other ranks leave it to rank 0: torchrun stops every rank once one
     exits, so they are normally stopped while they wait, silently. One still here after that,
     rank 0 did not meet the error (a check that depends on the machine): it says it. Under
-    torchrun the message goes to its error file instead (`tell_launcher`), so it is printed once,
-    as the last lines of torchrun's failure summary.
+    torchrun the message also goes to its error file (`tell_launcher`), so the failure summary
+    ends with it too.
     """
     rank = launcher_world()[0]
     if rank != 0:
         time.sleep(10)
         message = message.replace("bigdense: ", f"bigdense (rank {rank}): ", 1)
-    if not tell_launcher(message):
-        print(message, file=sys.stderr, flush=True)
+    tell_launcher(message)
+    print(message, file=sys.stderr, flush=True)
     sys.exit(code)
 
 
@@ -103,7 +105,7 @@ def tell_launcher(message: str) -> bool:
 
     torchrun ends a failed launch with a summary whose last entry is the first failure's
     ``traceback``, read from that file; without one the entry only points at torchrun's docs. So the
-    message a person can act on becomes the last thing on the screen.
+    message a person can act on is also the last thing on the screen.
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
@@ -120,7 +122,7 @@ def tell_launcher(message: str) -> bool:
 
 class HeldStderr:
     """Holds what Hydra writes to stderr until the job starts, so its composition errors go
-    through `stop` (printed once, last) rather than once per rank."""
+    through `stop` (printed by rank 0 alone) rather than once per rank."""
 
     def __init__(self):
         self.real = sys.stderr

@@ -2,10 +2,17 @@
 
 One program per token row, walking its classes in blocks of ``BLOCK`` columns with fp32 registers:
 
-* `_row_stats_kernel` reads each logit once (2 bytes in bf16) and writes 4 fp32 numbers per token:
-  an online max and rescaled sum of exponentials, the target's logit, the smoothing sum.
-* `_softmax_grad_kernel` reads every rank's statistics of its token (R x 2 floats), forms ``lse``,
-  then reads each logit and writes its gradient in place (2 + 2 bytes per logit in bf16).
+* `_row_stats_kernel` reads each logit once (2 bytes in bf16) and writes 4 fp32 numbers per token
+  (`softmax_ce.STATS`): an online max and rescaled sum of exponentials, the target's logit, the
+  smoothing sum.
+* `_softmax_grad_kernel` reads every rank's statistics of its token (R x 2 floats), forms the
+  largest max ``M`` and the rescaled sum ``S``, then reads each logit and writes its gradient in
+  place (2 + 2 bytes per logit in bf16), the softmax as ``exp((x - M) - log S)``.
+
+With a softcap ``c`` (``SOFTCAP``) each logit is ``c * tanh(z / c)`` in registers (`_tanh`: no
+libdevice call, which Triton's interpreter cannot run), and its gradient is multiplied by
+``1 - tanh(z / c)**2``; a z-loss coefficient (``Z_LOSS``) scales the softmax term by
+``1 + 2 zl lse``. Neither reads or writes a byte more.
 
 The two entry points, `row_stats` and `softmax_grad_`, launch through torch custom ops
 (``bigdense::ce_row_stats``, ``bigdense::ce_softmax_grad_``, which declare what they mutate), so
@@ -31,9 +38,21 @@ NUM_WARPS = 16
 
 
 @triton.jit
-def _row_stats_kernel(z_ptr, z_stride, n_cols, target_ptr, offset_ptr, real_ptr, out_ptr, out_stride,
+def _tanh(u):
+    """tanh in fp32 from ``exp``: a short series below 1/4 (where ``1 - exp(-2|u|)`` would cancel),
+    the exponential form above; within a few ulps of ``torch.tanh``."""
+    a = tl.abs(u)
+    e = tl.exp(-2.0 * a)
+    a2 = a * a
+    series = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0)))))
+    t = tl.where(a < 0.25, series, (1.0 - e) / (1.0 + e))
+    return tl.where(u < 0, -t, t)
+
+
+@triton.jit
+def _row_stats_kernel(z_ptr, z_stride, n_cols, target_ptr, offset_ptr, real_ptr, out_ptr, out_stride, softcap,
                       HAS_OFFSET: tl.constexpr, HAS_REAL: tl.constexpr, SMOOTHING: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * z_stride
     target = tl.load(target_ptr + row)
@@ -48,6 +67,8 @@ def _row_stats_kernel(z_ptr, z_stride, n_cols, target_ptr, offset_ptr, real_ptr,
         cols = start + tl.arange(0, BLOCK)
         inside = cols < n_cols
         x = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        if SOFTCAP:
+            x = tl.where(inside, softcap * _tanh(x / softcap), float("-inf"))
         at_target = cols == target
         x = tl.where(at_target, x + shift_at_target, x)
         new_big = tl.maximum(big, tl.max(x, axis=0))
@@ -68,11 +89,11 @@ def _row_stats_kernel(z_ptr, z_stride, n_cols, target_ptr, offset_ptr, real_ptr,
 
 @triton.jit
 def _softmax_grad_kernel(z_ptr, z_stride, n_cols, stats_ptr, stats_rank_stride, stats_stride, n_ranks,
-                         target_ptr, offset_ptr, real_ptr, weight_ptr, smooth_ptr, on_target,
+                         target_ptr, offset_ptr, real_ptr, weight_ptr, smooth_ptr, on_target, softcap, z_loss,
                          HAS_OFFSET: tl.constexpr, HAS_REAL: tl.constexpr, SMOOTHING: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         SOFTCAP: tl.constexpr, Z_LOSS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    # lse over every rank's statistics, in rank order (the torch reference's `combined_lse`).
+    # M and S over every rank's statistics, in rank order (the torch reference's `combined_stats`).
     big = tl.full([], float("-inf"), tl.float32)
     for r in range(n_ranks):
         big = tl.maximum(big, tl.load(stats_ptr + r * stats_rank_stride + row))
@@ -82,10 +103,12 @@ def _softmax_grad_kernel(z_ptr, z_stride, n_cols, stats_ptr, stats_rank_stride, 
         m_r = tl.load(stats_ptr + r * stats_rank_stride + row)
         s_r = tl.load(stats_ptr + r * stats_rank_stride + stats_stride + row)
         total += s_r * tl.exp(m_r - shift)
-    lse = shift + tl.log(total)
-    live = lse != float("-inf")
-    lse = tl.where(live, lse, 0.0)
+    live = total != 0.0  # (NaN statistics stay NaN)
+    log_total = tl.log(tl.where(live, total, 1.0))
     weight = tl.load(weight_ptr + row)
+    scale = weight
+    if Z_LOSS:
+        scale = weight * (1.0 + 2.0 * z_loss * (shift + log_total))
     target = tl.load(target_ptr + row)
     shift_at_target = 0.0
     if HAS_OFFSET:
@@ -98,16 +121,21 @@ def _softmax_grad_kernel(z_ptr, z_stride, n_cols, stats_ptr, stats_rank_stride, 
         cols = start + tl.arange(0, BLOCK)
         inside = cols < n_cols
         x = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        slope = 1.0
+        if SOFTCAP:
+            t = _tanh(x / softcap)
+            x = tl.where(inside, softcap * t, float("-inf"))
+            slope = 1.0 - t * t
         at_target = cols == target
         x = tl.where(at_target, x + shift_at_target, x)
-        p = tl.where(live, tl.exp(x - lse), 0.0)
-        grad = p * weight - tl.where(at_target, on_target * weight, 0.0)
+        p = tl.where(live, tl.exp((x - shift) - log_total), 0.0)
+        grad = p * scale - tl.where(at_target, on_target * weight, 0.0)
         if SMOOTHING:
             keep = inside
             if HAS_REAL:
                 keep = keep & (tl.load(real_ptr + cols, mask=inside, other=0) != 0)
             grad -= tl.where(keep, spread, 0.0)
-        tl.store(z_row + cols, grad.to(z_ptr.dtype.element_ty), mask=inside)
+        tl.store(z_row + cols, (grad * slope).to(z_ptr.dtype.element_ty), mask=inside)
 
 
 def _block(n_cols: int, block: Optional[int]) -> int:
@@ -120,7 +148,7 @@ def _placeholder(pointer: Optional[torch.Tensor], like: torch.Tensor) -> torch.T
 
 
 def _launch_row_stats(z: torch.Tensor, target: torch.Tensor, offset: Optional[torch.Tensor],
-                      real: Optional[torch.Tensor], smoothing: bool, out: torch.Tensor,
+                      real: Optional[torch.Tensor], smoothing: bool, out: torch.Tensor, softcap: float = 0.0,
                       block: Optional[int] = None) -> None:
     """`softmax_ce.row_stats` in one launch of ``n`` programs; writes ``out``."""
     n, n_cols = z.shape
@@ -129,14 +157,16 @@ def _launch_row_stats(z: torch.Tensor, target: torch.Tensor, offset: Optional[to
     assert z.stride(1) == 1 and out.stride(1) == 1, "row_stats: rows of z and out must be contiguous"
     _row_stats_kernel[(n,)](
         z, z.stride(0), n_cols, target, _placeholder(offset, out), _placeholder(real, target), out, out.stride(0),
-        HAS_OFFSET=offset is not None, HAS_REAL=real is not None, SMOOTHING=smoothing,
+        float(softcap or 1.0),
+        HAS_OFFSET=offset is not None, HAS_REAL=real is not None, SMOOTHING=smoothing, SOFTCAP=bool(softcap),
         BLOCK=_block(n_cols, block), num_warps=NUM_WARPS,
     )
 
 
 def _launch_softmax_grad(z: torch.Tensor, stats: torch.Tensor, target: torch.Tensor,
                          offset: Optional[torch.Tensor], real: Optional[torch.Tensor], weight: torch.Tensor,
-                         eps: float, smooth: Optional[torch.Tensor], block: Optional[int] = None) -> None:
+                         eps: float, smooth: Optional[torch.Tensor], softcap: float = 0.0, z_loss: float = 0.0,
+                         block: Optional[int] = None) -> None:
     """`softmax_ce.softmax_grad_` in one launch of ``n`` programs; writes ``z``."""
     n, n_cols = z.shape
     if n == 0 or n_cols == 0:
@@ -145,9 +175,9 @@ def _launch_softmax_grad(z: torch.Tensor, stats: torch.Tensor, target: torch.Ten
     _softmax_grad_kernel[(n,)](
         z, z.stride(0), n_cols, stats, stats.stride(0), stats.stride(1), stats.shape[0],
         target, _placeholder(offset, weight), _placeholder(real, target), weight, _placeholder(smooth, weight),
-        1.0 - eps,
+        1.0 - eps, float(softcap or 1.0), float(z_loss),
         HAS_OFFSET=offset is not None, HAS_REAL=real is not None, SMOOTHING=smooth is not None,
-        BLOCK=_block(n_cols, block), num_warps=NUM_WARPS,
+        SOFTCAP=bool(softcap), Z_LOSS=bool(z_loss), BLOCK=_block(n_cols, block), num_warps=NUM_WARPS,
     )
 
 
@@ -158,32 +188,34 @@ _softmax_grad_op.register_fake(lambda *args, **kwargs: None)
 
 
 def row_stats(z: torch.Tensor, target: torch.Tensor, offset: Optional[torch.Tensor], real: Optional[torch.Tensor],
-              smoothing: bool, out: torch.Tensor, block: Optional[int] = None) -> torch.Tensor:
+              smoothing: bool, out: torch.Tensor, softcap: float = 0.0, block: Optional[int] = None) -> torch.Tensor:
     """`softmax_ce.row_stats` in one launch of ``n`` programs (``bigdense::ce_row_stats``)."""
-    _row_stats_op(z, target, offset, real, smoothing, out, block)
+    _row_stats_op(z, target, offset, real, smoothing, out, softcap, block)
     return out
 
 
 def softmax_grad_(z: torch.Tensor, stats: torch.Tensor, target: torch.Tensor, offset: Optional[torch.Tensor],
                   real: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
-                  smooth: Optional[torch.Tensor], block: Optional[int] = None) -> torch.Tensor:
+                  smooth: Optional[torch.Tensor], softcap: float = 0.0, z_loss: float = 0.0,
+                  block: Optional[int] = None) -> torch.Tensor:
     """`softmax_ce.softmax_grad_` in one launch of ``n`` programs (``bigdense::ce_softmax_grad_``)."""
-    _softmax_grad_op(z, stats, target, offset, real, weight, eps, smooth, block)
+    _softmax_grad_op(z, stats, target, offset, real, weight, eps, smooth, softcap, z_loss, block)
     return z
 
 
 _SIGNATURES = {
     "_row_stats_kernel": {"z_ptr": "*bf16", "z_stride": "i64", "n_cols": "i32", "target_ptr": "*i64",
-                          "offset_ptr": "*fp32", "real_ptr": "*i1", "out_ptr": "*fp32", "out_stride": "i64"},
+                          "offset_ptr": "*fp32", "real_ptr": "*i1", "out_ptr": "*fp32", "out_stride": "i64",
+                          "softcap": "fp32"},
     "_softmax_grad_kernel": {"z_ptr": "*bf16", "z_stride": "i64", "n_cols": "i32", "stats_ptr": "*fp32",
                              "stats_rank_stride": "i64", "stats_stride": "i64", "n_ranks": "i32",
                              "target_ptr": "*i64", "offset_ptr": "*fp32", "real_ptr": "*i1", "weight_ptr": "*fp32",
-                             "smooth_ptr": "*fp32", "on_target": "fp32"},
+                             "smooth_ptr": "*fp32", "on_target": "fp32", "softcap": "fp32", "z_loss": "fp32"},
 }
 
 
 def compile_for_cuda(capability: int = 90) -> dict:
-    """Compile every kernel, for bf16 logits and every switch, for an NVIDIA GPU of compute
+    """Compile every kernel, for bf16 logits and its switches, for an NVIDIA GPU of compute
     ``capability`` down to its cubin, with no device: ``{(kernel, switches): bytes of cubin}``. The
     interpreter accepts code the compiler refuses; this is the check that needs no GPU. (Not under
     ``TRITON_INTERPRET=1``, where the kernels are the interpreter's.)"""
@@ -194,10 +226,13 @@ def compile_for_cuda(capability: int = 90) -> dict:
 
     target = GPUTarget("cuda", capability, 32)
     out = {}
-    for kernel in (_row_stats_kernel, _softmax_grad_kernel):
+    for kernel, extra in ((_row_stats_kernel, ("SOFTCAP",)), (_softmax_grad_kernel, ("SOFTCAP", "Z_LOSS"))):
         name = kernel.fn.__name__
-        for switches in itertools.product((False, True), repeat=3):
-            constexprs = dict(zip(("HAS_OFFSET", "HAS_REAL", "SMOOTHING"), switches), BLOCK=MAX_BLOCK)
+        # Every combination of the three input switches with the logit options off, and all on once:
+        # each instruction of both kernels is compiled at least once.
+        combos = [(*switches, *(False,) * len(extra)) for switches in itertools.product((False, True), repeat=3)]
+        for switches in combos + [(True,) * (3 + len(extra))]:
+            constexprs = dict(zip(("HAS_OFFSET", "HAS_REAL", "SMOOTHING", *extra), switches), BLOCK=MAX_BLOCK)
             signature = {**_SIGNATURES[name], **{key: "constexpr" for key in constexprs}}
             compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=target,
                                       options={"num_warps": NUM_WARPS})

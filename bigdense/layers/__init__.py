@@ -4,7 +4,7 @@ from .conv1d import ColumnParallelConv1D, RowParallelConv1D
 from .dropout import ShardedDropout
 from .embedding import VocabParallelEmbedding
 from .feature_norm import ShardedBatchNorm1d
-from .head import ParallelClassifierHead
+from .head import LossMetrics, ParallelClassifierHead, collect_loss_metrics, fused_cross_entropy
 from .tying import tie_weights
 from .init import INITIALIZERS, Initializer
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -14,6 +14,7 @@ from .norm import LayerNorm, RMSNorm
 __all__ = [
     "TensorParallelModule", "materialize", "Initializer", "INITIALIZERS", "ColumnParallelLinear", "RowParallelLinear",
     "ColumnParallelConv1D", "RowParallelConv1D",
-    "ParallelMLP", "VocabParallelEmbedding", "ParallelClassifierHead", "tie_weights", "ShardedDropout",
+    "ParallelMLP", "VocabParallelEmbedding", "ParallelClassifierHead", "fused_cross_entropy", "collect_loss_metrics",
+    "LossMetrics", "tie_weights", "ShardedDropout",
     "LayerNorm", "RMSNorm", "ShardedBatchNorm1d",
 ]

@@ -63,6 +63,8 @@ class GPTConfig:
     bias: bool = True
     tie_embeddings: bool = True
     head_chunk_size: Optional[int] = None  # None: the head picks a chunk from a memory budget
+    softcap: Optional[float] = None  # the head's logits are softcap * tanh(z / softcap) (None: plain)
+    z_loss: float = 0.0  # the loss adds z_loss * lse**2 per token (PaLM's z-loss; 0: none)
     init: str = "trunc_normal"
     sequence_parallel: bool = False  # activations between TP regions split along the sequence
     overlap_comm: bool = True  # column layers' backward collectives overlap their weight-gradient GEMMs
@@ -223,7 +225,8 @@ class GPT(nn.Module):
         self.cfg = cfg
         sp = add_trunk(self, cfg, tp_group)
         self.head = ParallelClassifierHead(
-            cfg.d_model, cfg.vocab_size, bias=False, chunk_size=cfg.head_chunk_size, init=cfg.init, **sp
+            cfg.d_model, cfg.vocab_size, bias=False, chunk_size=cfg.head_chunk_size, init=cfg.init,
+            softcap=cfg.softcap, z_loss=cfg.z_loss, **sp
         )
         if cfg.tie_embeddings:
             tie_weights(self.tok_emb, self.head)

@@ -164,7 +164,9 @@ def all_gather_sizes(length: int, group: Optional[ProcessGroup], device) -> list
     """Every rank's ``length``, in rank order (one tiny collective)."""
     if group_size(group) == 1:
         return [int(length)]
-    mine = torch.tensor([length], dtype=torch.int64, device=device)
+    # torch.full, not torch.tensor: under Dynamo a torch.tensor of a Python int is a constant, whose
+    # propagation runs the functional all-gather for real while tracing and never waits for it.
+    mine = torch.full((1,), int(length), dtype=torch.int64, device=device)
     out = torch.empty(group_size(group), dtype=torch.int64, device=device)
     _issue("all_gather", group, out, lambda: _all_gather_single(out, mine, group=group, async_op=True),
            lambda: out.copy_(funcol.all_gather_tensor(mine, 0, group)), lambda: out).wait()

@@ -77,8 +77,11 @@ def _words(key: torch.Tensor, row_words: torch.Tensor, cols: tuple[int, int], de
 
 
 def _threshold(p: float) -> int:
-    """Kept when the word, read as unsigned, is below (1 - p) * 2^32; shifted into signed order
-    (above 2^31 - 1: every word is kept)."""
+    """The threshold a word is kept below: ``round((1 - p) * 2^32) - 2^31``, compared with the
+    words as the int32 tensors they are (signed). That keeps a word when, with its top bit
+    flipped and read as unsigned, it is below ``(1 - p) * 2^32`` -- not the word itself read as
+    unsigned; the hash is uniform over the 2^32 words, so exactly ``round((1 - p) * 2^32)`` of
+    them are kept either way. Above 2^31 - 1 (p at most 2^-33) every word is kept."""
     return int(round((1.0 - p) * 2**32)) - 2**31
 
 

@@ -61,8 +61,10 @@ def meta_gpt(cfg):
 
 def meta_hf(cfg):
     """``model=hf``: the Hugging Face causal LM of ``model.path`` on the meta device, in the job's
-    `CausalLM`, its embeddings frozen with ``model.freeze_embeddings`` (only config.json is read)."""
-    return meta_causal_lm(cfg.model.path, freeze_embeddings=bool(cfg.model.freeze_embeddings))
+    `CausalLM`, its embeddings frozen with ``model.freeze_embeddings``, its loss on the fused path
+    unless ``model.fused_loss=false`` (only config.json is read)."""
+    return meta_causal_lm(cfg.model.path, freeze_embeddings=bool(cfg.model.freeze_embeddings),
+                          fused_loss=bool(cfg.model.fused_loss))
 
 
 def meta_model(cfg):

@@ -6,10 +6,11 @@ The peak is the largest of the moments a step passes through, each a sum of what
 * ``forward`` -- the end of the forward, inside the loss head: parameters, optimizer state,
   gradients that persist between steps (DDP buckets when dp > 1, accumulation over micro-batches,
   ZeRO partitions), every stored activation, the head's gradients (the fused cross-entropy forms
-  them in the forward) and one chunk of logits (a Hugging Face model: all the logits, their fp32
-  copy and log-softmax's output);
-* ``loss_backward`` (a Hugging Face model, `bigdense.plan.hf`) -- log-softmax's backward over the
-  full logits: three fp32 logits-sized tensors beside every stored activation;
+  them in the forward) and its chunk buffers (`bigdense.plan.fused_head`; a Hugging Face model
+  with ``fused_loss=False``: all the logits, their fp32 copy and log-softmax's output);
+* ``loss_backward`` (a Hugging Face model on the gathered path only, `bigdense.plan.hf`) --
+  log-softmax's backward over the full logits: three fp32 logits-sized tensors beside every stored
+  activation;
 * ``backward`` -- the first block's backward: the same, the head's gradients, and the block's
   gradients of activations (and its recomputed activations); for a Hugging Face model the largest
   of its layers' backwards, each with the parameter gradients formed before it;
@@ -149,7 +150,8 @@ def model_shape(model: nn.Module, seq_len: int):
 def activation_model(model: nn.Module, seq_len: Optional[int], layout: Layout, entries) -> Optional[object]:
     """The activation model of ``model``'s kind: `GPTMemory`, `HFMemory` (``model=hf``), or None
     (parameters, gradients and optimizer state only). Each answers ``moments``, ``categories``,
-    ``per_layer`` and ``flops_per_micro_batch``. ``entries``: ``model``'s `param_entries`."""
+    ``per_layer``, ``flops_per_micro_batch`` and ``loss_in_head`` (the loss runs inside the output
+    head's forward). ``entries``: ``model``'s `param_entries`."""
     kind = _kind(model) if seq_len else None
     if kind == "gpt":
         return GPTMemory(model_shape(model, seq_len), layout)
@@ -186,14 +188,15 @@ def estimate(
     trainable = max(count_per_rank(entries, layout.tp, trainable_only=True))
     largest = max((e.local_numel(layout.tp, 0) for e in entries), default=0)
     params = max(per_rank)
-    fsdp = FSDPMemory(fsdp_units(model, entries, layout), layout, loss_in_head=_kind(model) == "gpt") \
+    memory = activation_model(model, seq_len, layout, entries)
+    in_head = memory is not None and memory.loss_in_head  # FSDP keeps the head's unit gathered through the loss
+    fsdp = FSDPMemory(fsdp_units(model, entries, layout), layout, loss_in_head=in_head) \
         if layout.engine == "fsdp" else None
     states = fsdp.state_bytes() if fsdp else _state_bytes(params, trainable, largest, layout)
     cats = {k: states[k] for k in ("params", "grads", "optimizer")}
     est = Estimate(layout, sum(e.numel for e in entries), fsdp.shard_numel() if fsdp else params, cats,
                    overhead_bytes=int(overhead_gb * GiB))
 
-    memory = activation_model(model, seq_len, layout, entries)
     base = states["params"] + states["optimizer"] + states["buckets"]
     if fsdp is not None:
         est.phases = fsdp.moments(memory, base)

@@ -13,8 +13,9 @@ moments. In the step, counted here on top of the activation model's moments (`GP
   through the whole forward and backward; a block's from its forward to its end, and again in its
   backward (with ``engine.reshard_after_forward=false``: every unit's from its forward to its
   backward); the tied unit's through the forward (the embedding and the head are one unit) and from
-  the head's backward to the end; the output unit's while the loss head runs (GPT: the loss is
-  computed inside the head) and in its backward.
+  the head's backward to the end; the output unit's while the loss head runs (the fused loss is
+  computed inside the head's forward: the GPT's, a Hugging Face model's on its fused path;
+  ``loss_in_head``) and in its backward.
 * FSDP's all-gather buffers: a unit's flat output, until its copy-out into the gathered parameters
   returns -- in the forward until the next unit's copy-out (the last one's until the root's forward
   returns, the loss included); in the backward the next block's, prefetched while the current one

@@ -1,9 +1,10 @@
 """Activation and loss-head memory of the reference GPT (`bigdense.models.GPT`), per TP rank.
 
 Counted from what autograd keeps for the backward, tensor by tensor, following the code of
-`bigdense.models.gpt`, `ParallelMLP`, `tp_dropout` and the fused vocab-parallel cross-entropy
-(`bigdense.layers.head.fused_ce`). Units: ``u = b*s*d`` elements (one residual-stream tensor of a
-micro-batch), ``hid = b*s*d_hidden``, ``P2 = b*(heads/tp)*s*s`` (one rank's attention matrix).
+`bigdense.models.gpt`, `ParallelMLP` and `tp_dropout`; the loss head, the fused vocab-parallel
+cross-entropy, by `bigdense.plan.fused_head`. Units: ``u = b*s*d`` elements (one residual-stream
+tensor of a micro-batch), ``hid = b*s*d_hidden``, ``P2 = b*(heads/tp)*s*s`` (one rank's attention
+matrix).
 
 Per block, what stays for the backward:
 
@@ -35,11 +36,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
-from ..layers.head.ce_chunks import WEIGHT_GRAD_BLOCK_BYTES, auto_chunk_size, logits_slots
-from ..layers.head.ce_gpu import kernel_chunk_tokens, kernel_path, kernel_slots
-
+from .fused_head import FusedHeadMemory
 from .layout import Layout
 
 
@@ -58,6 +55,7 @@ class GPTShape:
     bias: bool = True
     tie_embeddings: bool = True
     head_chunk_size: Optional[int] = 1024  # None: the head's automatic chunk (from its largest shard)
+    softcap: float = 0.0  # the head's logit softcap (0: none)
 
     @classmethod
     def from_model(cls, model, seq_len: int) -> "GPTShape":
@@ -66,7 +64,7 @@ class GPTShape:
             vocab_size=c.vocab_size, d_model=c.d_model, n_layers=c.n_layers, n_heads=c.n_heads,
             d_hidden=c.d_hidden or 4 * c.d_model, seq_len=seq_len, activation=c.activation, dropout=c.dropout,
             attn_dropout=c.attention_dropout, attn_dropout_mode=c.attention_dropout_mode, bias=c.bias,
-            tie_embeddings=c.tie_embeddings, head_chunk_size=c.head_chunk_size,
+            tie_embeddings=c.tie_embeddings, head_chunk_size=c.head_chunk_size, softcap=c.softcap or 0.0,
         )
 
     def block_weights(self) -> int:
@@ -74,12 +72,10 @@ class GPTShape:
         return 4 * self.d_model * self.d_model + mlp_mats * self.d_model * self.d_hidden
 
 
-# The head's matmul dtype by the layout's precision (which loop runs it depends on it).
-MATMUL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 class GPTMemory:
     """Bytes per TP rank of one micro-batch's activations and of the loss head, for a `Layout`."""
+
+    loss_in_head = True  # the fused head computes the loss inside its forward
 
     def __init__(self, shape: GPTShape, layout: Layout):
         self.shape, self.layout = shape, layout
@@ -175,43 +171,18 @@ class GPTMemory:
         return recomputed + max(mlp, attention)
 
     # ---- the loss head ----
+    def head(self) -> FusedHeadMemory:
+        """The fused vocab-parallel CE of the head (`bigdense.plan.fused_head` counts it)."""
+        sh, lay = self.shape, self.layout
+        return FusedHeadMemory.of_vocabulary(
+            sh.vocab_size, lay.tp, tokens=self.tokens, d_model=sh.d_model, compute_bytes=self.c, input_bytes=self.n,
+            param_bytes=lay.param_bytes, device_type=lay.device_type, precision=lay.precision,
+            chunk_size=sh.head_chunk_size, sequence_parallel=lay.sequence_parallel, softcap=bool(sh.softcap))
+
     def head_bytes(self) -> dict[str, float]:
         """The fused vocab-parallel CE's working set: gradients formed in the forward, plus the
-        buffers `ChunkBuffers` allocates once per call and reuses for every chunk."""
-        sh, tp, c = self.shape, self.layout.tp, self.c
-        classes = math.ceil(sh.vocab_size / tp)
-        if kernel_path(self.layout.device_type, MATMUL_DTYPES[self.layout.precision]):
-            return self._kernel_head_bytes(classes)
-        chunk = min(sh.head_chunk_size or auto_chunk_size(classes, self.layout.device_type), self.tokens)
-        d = sh.d_model
-        grads = self.tokens * d * 4 + classes * d * 4  # grad_h, grad_W (fp32)
-        work = logits_slots(tp, self.layout.device_type) * classes * chunk * 4
-        if c != 4:
-            # Operands cast once per call (the hidden states unless the final norm returned the compute
-            # dtype, the weight unless it is in it: fp32 parameters); the low-precision logits buffer;
-            # a block of weight-gradient rows; per chunk, grad_h's rows (low precision, then fp32) and
-            # the token-scaled hidden states.
-            block_rows = min(classes, max(1, WEIGHT_GRAD_BLOCK_BYTES // (d * c)))
-            cast = (self.tokens * d * c if self.n != c else 0) + (
-                classes * d * c if self.layout.param_bytes == 4 else 0)
-            work += cast + classes * chunk * c + block_rows * d * c
-            work += chunk * d * (c + 4 + c)
-        if self.layout.sequence_parallel:
-            work += self.u * self.n  # the hidden states gathered along the sequence
-        return {"grads": grads, "chunk": work}
-
-    def _kernel_head_bytes(self, classes: int) -> dict[str, float]:
-        """The GPU loop's (`layers/head/ce_gpu.py`): grad_h in the matmul dtype, grad_W in the
-        weight's; the logits buffers in the matmul dtype; the operands cast once per call; every
-        rank's (4, tokens) fp32 statistics, gathered and joined."""
-        sh, tp, c, pb, d = self.shape, self.layout.tp, self.c, self.layout.param_bytes, self.shape.d_model
-        chunk = min(sh.head_chunk_size or kernel_chunk_tokens(classes, c, tp), self.tokens)
-        grads = self.tokens * d * c + classes * d * pb
-        work = kernel_slots(tp) * classes * chunk * c + self.tokens * 16 * (1 + 2 * tp)
-        work += (self.tokens * d * c if self.n != c else 0) + (classes * d * c if pb != c else 0)
-        if self.layout.sequence_parallel:
-            work += self.u * self.n  # the hidden states gathered along the sequence
-        return {"grads": grads, "chunk": work}
+        buffers it allocates once per call and reuses for every chunk."""
+        return self.head().bytes()
 
     # ---- the step ----
     def moments(self, base: float, persistent_grads: float, grads: float, temporaries: float) -> dict[str, float]:
@@ -233,7 +204,7 @@ class GPTMemory:
     def head_weight_gradient_bytes(self, param_bytes: int) -> float:
         """The head weight's gradient as the blocks' backward finds it (the largest rank's shard, in
         the parameters' dtype; the hidden states' gradient, formed in the forward too, is consumed)."""
-        return -(-self.shape.vocab_size // self.layout.tp) * self.shape.d_model * param_bytes
+        return self.head().weight_gradient_bytes(param_bytes)
 
     def head_backward_bytes(self) -> float:
         """Beyond the stored activations when the head's backward starts: the gradients the fused

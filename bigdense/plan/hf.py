@@ -26,30 +26,40 @@ the compute dtype; ``w``: of the residual stream (4 under autocast and in fp32, 
   input and output (``2c*hid``).
 * MoE (approximate): per routed (token, expert) pair, the gathered input, gate-up output,
   act(gate), product and output; the router's logits and fp32 probabilities; a shared expert as a
-  gated MLP. Measured on a Qwen3-MoE layer (transformers' grouped-mm experts): within 0.1% in
+  gated MLP. Measured on a Qwen3-MoE layer (transformers' grouped-mm experts): within 0.15% in
   fp32, 0.7-2.6% under in bf16 (the experts' own casts and index tensors are not followed).
 * autocast keeps a compute-width copy of every weight matrix a matmul casts, until that matmul's
   backward: every matrix of a layer but those of bigdense's column-parallel layers (tp > 1), which
-  cast their own and keep none; the output head's too at tp = 1.
+  cast their own and keep none; the output head's too at tp = 1 on the gathered path (the fused
+  loss casts the weight itself, for its call only).
 * the embedding's output (the first norm's input), unless the embeddings are frozen.
 
 Recompute (``full``, ``every_k``, ``mlp``) keeps a checkpointed layer's input (the stream; for
 ``mlp`` the MLP's input, the norm's output at ``w``) instead of its insides; a layer's backward
 recomputes them all but its output (non-reentrant checkpointing stops at the last saved tensor).
 A layer's backward also holds gradients of activations: that term (`HFMemory.gradient_bytes`) is
-fitted to the measured step, not derived op by op, and the output head's own backward buffers are
-not modelled (they set the peak only when a small micro-batch leaves the gradients on top).
+fitted to the measured step, not derived op by op, and on the gathered path the output head's own
+backward buffers are not modelled (they set the peak only when a small micro-batch leaves the
+gradients on top).
 
 Other architectures are read through the same template: their sizes from the config's usual keys,
 their kind of layer from its modules (q/k norms, a gated or plain MLP, experts); what they keep
 beyond it (biases, sliding-window masks, scaled embeddings, LayerNorm's mean) is not counted.
 
-The loss head: `CausalLM` computes the full logits (the head's shards gathered over TP) at ``c``,
-``.float()`` copies them (when ``c`` is not 4) and ``F.cross_entropy`` keeps log-softmax's fp32
-output: ``(c + 4 + 4)*t*V`` inside the loss. Its backward holds three fp32 ``t*V`` tensors at once
-(the saved output, nll's gradient, log-softmax's gradient): with a large vocabulary this is the
-step's peak. Sequence parallelism does not apply (`bd.parallelize` does not split HF activations
-along the sequence).
+The loss: `CausalLM` computes it through bigdense's fused vocab-parallel cross-entropy from the
+hidden states its output head is given and the head's shard of the weight (`bigdense.models.hf_loss`),
+counted by `bigdense.plan.fused_head` as for the reference GPT: no logits, the gradients of the
+hidden states and of the head's weight formed in the forward, one call's chunk buffers (the head's
+automatic chunk; a softcap from the loss path's transform or the config's
+``final_logit_softcapping``); nothing of the head's input is kept for the backward. A scaled
+model's (Cohere, Granite) copy of the hidden states, ``t*d``, is not counted. The path is the
+`CausalLM`'s: its ``loss_path`` when decided, else fused unless ``fused_loss=False``. The gathered
+path (``fused_loss=False``, or a model whose transform was not proved) computes the full logits (the
+head's shards gathered over TP) at ``c``, ``.float()`` copies them (when ``c`` is not 4) and
+``F.cross_entropy`` keeps log-softmax's fp32 output: ``(c + 4 + 4)*t*V`` inside the loss; its
+backward holds three fp32 ``t*V`` tensors at once (the saved output, nll's gradient, log-softmax's
+gradient): with a large vocabulary the step's peak (``loss_backward``). Sequence parallelism does
+not apply (`bd.parallelize` does not split HF activations along the sequence).
 """
 from __future__ import annotations
 
@@ -60,6 +70,7 @@ import torch.nn as nn
 
 from ..models import CausalLM
 from ..models.hf_dir import HFDirectory
+from .fused_head import FusedHeadMemory
 from .layout import Layout
 
 # How transformers names a decoder layer's parts (Llama and most causal LMs since).
@@ -67,10 +78,10 @@ ATTENTION_NAMES = ("self_attn", "attention", "attn")
 GATED_MLP_NAMES = ("gate_proj", "gate_up_proj", "w1")
 
 
-def meta_causal_lm(path, freeze_embeddings: bool = False) -> CausalLM:
+def meta_causal_lm(path, freeze_embeddings: bool = False, fused_loss: bool = True) -> CausalLM:
     """The Hugging Face causal LM of the ``save_pretrained`` directory ``path`` on the meta device,
     in a `CausalLM`, as the job builds it (`HFDirectory.meta_model`); nothing is read but its config.json."""
-    model = CausalLM(HFDirectory.open(path).meta_model())
+    model = CausalLM(HFDirectory.open(path).meta_model(), fused_loss=fused_loss)
     if freeze_embeddings:
         model.freeze_embeddings()
     return model
@@ -162,10 +173,13 @@ class HFMemory:
     """Bytes per TP rank of one micro-batch's activations and of the loss, for a `Layout`.
 
     ``head_trainable``: elements of this rank's trainable parameters whose gradients the backward
-    forms before the decoder layers' (the output head, the final norm)."""
+    forms before the decoder layers' (the output head, the final norm). ``fused_loss``: the loss
+    runs through the fused head (`CausalLM`'s default), else the gathered logits; ``softcap``: the
+    model's logits are softcapped; ``head_trains``: the head's weight has a gradient."""
 
     def __init__(self, shape: HFShape, layers: list[HFLayer], layout: Layout, *, head_split: bool,
-                 head_trainable: int, frozen_embeddings: bool = False):
+                 head_trainable: int, frozen_embeddings: bool = False, fused_loss: bool = True,
+                 softcap: bool = False, head_trains: bool = True):
         self.shape, self.layers, self.layout = shape, layers, layout
         self.head_split, self.head_trainable, self.frozen_embeddings = head_split, head_trainable, frozen_embeddings
         self.tp = layout.tp
@@ -173,6 +187,17 @@ class HFMemory:
         self.u = self.t * shape.d_model
         self.c = layout.compute_bytes
         self.w = 4 if layout.autocast or layout.precision == "fp32" else self.c  # the residual stream's width
+        # The fused loss's working set (None: the gathered path). The head is given the final norm's
+        # output, at the stream's width (RMSNorm's last product is outside autocast's list).
+        self.fused_head = FusedHeadMemory.of_vocabulary(
+            shape.vocab_size, self.tp if head_split else 1, tokens=self.t, d_model=shape.d_model, compute_bytes=self.c,
+            input_bytes=self.w, param_bytes=layout.param_bytes, device_type=layout.device_type,
+            precision=layout.precision, softcap=softcap, weight_grad=head_trains) if fused_loss else None
+
+    @property
+    def loss_in_head(self) -> bool:
+        """Whether the loss is computed inside the output head's forward (FSDP keeps its unit gathered)."""
+        return self.fused_head is not None
 
     @classmethod
     def of(cls, model: nn.Module, seq_len: int, layout: Layout, entries) -> "HFMemory":
@@ -198,7 +223,8 @@ class HFMemory:
                             and (e.name != embedding or shape.tie_embeddings))
         return cls(shape, layers, layout, head_split=layout.tp > 1 and head is not None and head.split_dim is not None,
                    head_trainable=before_layers,
-                   frozen_embeddings=not inputs.weight.requires_grad)
+                   frozen_embeddings=not inputs.weight.requires_grad, fused_loss=_fused_loss(wrapped),
+                   softcap=_softcapped(wrapped), head_trains=outputs is not None and outputs.weight.requires_grad)
 
     # ---- pieces of one layer ----
     def _local(self, n: int, split: bool) -> int:
@@ -291,12 +317,15 @@ class HFMemory:
     # ---- the whole forward ----
     def per_layer(self) -> list[tuple[str, float]]:
         """``[(name, bytes kept through the forward)]``: embedding output and RoPE's cos/sin, each
-        layer (with its weight copies), the final norm and what the head keeps of it."""
+        layer (with its weight copies), the final norm and what the head keeps of it (the fused
+        loss: nothing)."""
         sh = self.shape
         # A frozen embedding's output needs no gradient, so the first norm keeps none of it.
         embedding = (0 if self.frozen_embeddings else self.w * self.u) + 2 * sh.seq_len * sh.head_dim * self.w
         rows = [("embedding", embedding)]
         rows += [(f"layers.{i}", self.stored_layer_bytes(i)) for i in range(len(self.layers))]
+        if self.fused_head is not None:
+            return rows + [("norm", self._norm(self.u))]
         # The head at tp = 1 is a plain Linear: autocast keeps its weight's copy too.
         head_cache = 0 if self.head_split else self._copies(sh.vocab_size * sh.d_model)
         return rows + [("norm", self._norm(self.u) + self._kept_output(self.u, consumers=1) + head_cache)]
@@ -334,6 +363,13 @@ class HFMemory:
         return worst
 
     # ---- the loss head ----
+    def fused_loss_bytes(self) -> float:
+        """In the fused loss's forward, beyond the stored activations: the head's input (the final
+        norm's output, which nothing keeps for the backward), the gradients formed there and the
+        loss's buffers (`bigdense.plan.fused_head`)."""
+        head = self.fused_head.bytes()
+        return self.w * self.u + head["grads"] + head["chunk"]
+
     def logits_elements(self) -> int:
         return self.t * self.shape.vocab_size  # gathered over TP: every rank holds all of them
 
@@ -347,8 +383,10 @@ class HFMemory:
         return 3 * 4 * self.logits_elements() + 8 * self.t
 
     def head_backward_bytes(self) -> float:
-        """Beyond the stored activations when the output head's backward starts: the logits'
-        gradient at the compute width."""
+        """Beyond the stored activations when the output head's backward starts: the gradients the
+        fused loss formed in the forward, or the logits' gradient at the compute width."""
+        if self.fused_head is not None:
+            return self.fused_head.gradient_bytes()
         return self.logits_elements() * self.c
 
     def tied_gradient_bytes(self, param_bytes: int) -> float:
@@ -363,10 +401,15 @@ class HFMemory:
         """Bytes alive at each moment of the step (`bigdense.plan.estimate` says which), given
         ``base`` (parameters, optimizer state, buckets), the gradients kept between steps, all the
         gradients, and the optimizer's temporaries."""
-        acts, pb = self.stored_bytes(), self.layout.param_bytes
+        pb = self.layout.param_bytes
+        before = base + persistent_grads + self.stored_bytes()
+        if self.fused_head is not None:
+            loss = {"forward": before + self.forward_cache_bytes() + self.fused_loss_bytes()}
+        else:
+            loss = {"forward": before + self.forward_cache_bytes() + self.loss_forward_bytes(),
+                    "loss_backward": before + self.loss_backward_bytes()}
         return {
-            "forward": base + persistent_grads + acts + self.forward_cache_bytes() + self.loss_forward_bytes(),
-            "loss_backward": base + persistent_grads + acts + self.loss_backward_bytes(),
+            **loss,
             "backward": base + self.backward_bytes(pb, persistent_grads),
             "backward_end": base + grads + self.tied_gradient_bytes(pb),
             "optimizer": base + grads + temporaries,
@@ -374,7 +417,8 @@ class HFMemory:
 
     def categories(self) -> dict[str, float]:
         """The activation rows of the memory table."""
-        return {"activations": self.stored_bytes(), "head_loss": self.loss_backward_bytes(),
+        head = self.fused_loss_bytes() if self.fused_head is not None else self.loss_backward_bytes()
+        return {"activations": self.stored_bytes(), "head_loss": head,
                 "comm_buffers": self.u * self.c if self.tp > 1 else 0}  # the row layers' all-reduce output
 
     # ---- FLOPs ----
@@ -406,6 +450,23 @@ class HFMemory:
         else:
             repeated = sum(f for i, f in enumerate(fwd) if self._recomputed(i))
         return 3 * (sum(fwd) + head) + repeated
+
+
+def _fused_loss(model: CausalLM) -> bool:
+    """Whether ``model``'s loss runs through the fused head: its decided path (`CausalLM.loss_path`),
+    else what `CausalLM.prepare_loss` decides on the meta device (fused, unless ``fused_loss=False``
+    or there is no output head)."""
+    if model.loss_path is not None:
+        return model.loss_path.fused
+    return model.fused_loss and isinstance(getattr(model.lm, "get_output_embeddings", lambda: None)(), nn.Module)
+
+
+def _softcapped(model: CausalLM) -> bool:
+    """Whether ``model``'s logits are softcapped: by the transform its loss path found, or (a path
+    not decided, or decided unproved on the meta device) by its config's ``final_logit_softcapping``."""
+    found = model.loss_path.transform.softcap if model.loss_path is not None else 0.0
+    config = model.lm.config.get_text_config() if hasattr(model.lm.config, "get_text_config") else model.lm.config
+    return bool(found or getattr(config, "final_logit_softcapping", None))
 
 
 def is_causal_lm(model: nn.Module) -> bool:

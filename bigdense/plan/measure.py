@@ -168,18 +168,22 @@ def measure_config(cfg, repeats: Optional[int] = None) -> dict:
 
     The model is the job's own: the reference GPT (`build_gpt`), or for ``model=hf`` the Hugging
     Face model of ``model.path`` (`build_hf`, converted by its own plan in `parallelize_model`)
-    with random weights instead of the directory's: memory does not depend on the values, and the
-    directory needs only its config.json."""
+    with random weights instead of the directory's, drawn before the conversion so that its loss
+    path is decided (and proved) on them: memory does not depend on the values, and the directory
+    needs only its config.json."""
     from .. import init_parallel
     from ..jobs import parallelize_model
+    from ..layers.base import allocate_empty
 
     ctx = init_parallel(tp=int(cfg.parallel.tp or 1), dp=cfg.parallel.dp)
     repeats = repeats or (3 if ctx.world_size > 1 else 1)
     torch.manual_seed(0)
     model, vocab = _build(cfg, ctx)
-    engine = parallelize_model(model, ctx, cfg, load_pretrained=False).engine
     if cfg.model.name == "hf":
-        _randomize(model)
+        # Random weights before `parallelize_model` converts the model and decides its loss path on
+        # them, as the job decides it on the loaded ones (uninitialised memory fails the proof).
+        _randomize(allocate_empty(model, ctx.device))
+    engine = parallelize_model(model, ctx, cfg, load_pretrained=False).engine
     b, s = cfg.data.micro_batch_size, cfg.data.seq_len
     batch = [(torch.randint(0, vocab, (b, s)), torch.randint(0, vocab, (b, s))) for _ in range(cfg.data.grad_accum)]
     engine.train_step(batch)

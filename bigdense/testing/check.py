@@ -348,6 +348,43 @@ def compare_pair(reference: nn.Module, model: nn.Module, batch, *, steps: int = 
     return result
 
 
+def compare_fused_loss(reference: nn.Module, causal_lm: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                       seed: int = 0) -> dict[str, Diff]:
+    """A `bigdense.models.CausalLM` around the converted copy of ``reference`` (the same weights)
+    against ``F.cross_entropy`` of the plain model's own logits (-100 ignored): ``{"loss": ...,
+    "grad/<name>": ...}`` for the loss and every parameter's gradient, this rank's shard against the
+    same slice of the plain one. Both forwards run with the random streams at ``seed``; gradients
+    are cleared before and after."""
+    from ..layers.base import named_shard_specs
+
+    import torch.nn.functional as F
+
+    for m in (reference, causal_lm):
+        m.zero_grad(set_to_none=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        logits = reference(input_ids=x, use_cache=False).logits
+    want = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        got = causal_lm(x, y)
+    want.backward()
+    got.backward()
+    diffs = {"loss": _diff(got, want)}
+    specs, plain = named_shard_specs(causal_lm.lm), dict(reference.named_parameters())
+    for name, p in causal_lm.lm.named_parameters():
+        ref = plain[name]
+        if p.grad is None and ref.grad is None:
+            continue
+        spec = specs.get(name)
+        want_grad = torch.zeros_like(ref) if ref.grad is None else ref.grad
+        got_grad = torch.zeros_like(p) if p.grad is None else p.grad
+        diffs[f"grad/{name}"] = _diff(got_grad, spec.slice_of(want_grad) if spec else want_grad)
+    for m in (reference, causal_lm):
+        m.zero_grad(set_to_none=True)
+    return diffs
+
+
 def compare_on_this_rank(build_model: Callable[[], nn.Module], batch, *, steps: int = 1, plan=None, lr: float = 1e-2,
                          loss_fn=None, seed: int = 0) -> RankComparison:
     """`converted_pair` then `compare_pair`, on this rank."""

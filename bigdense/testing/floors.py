@@ -37,6 +37,7 @@ FLOORS = (
     (7, "bigdense.plan.measure", "the planner's measurement of a real step"),
     (7, "bigdense.compress", "compression of a checkpoint: low rank, pruning, int8 weights"),
     (7, "bigdense.export_hf", "a checkpoint back to a Hugging Face directory"),
+    (7, "bigdense.sample", "text from a trained run's reference GPT (python -m bigdense.sample)"),
     (7, "bigdense.bench", "benchmarks"),
     (7, "bigdense.testing", "the CPU cluster harness, counters, this check"),
 )

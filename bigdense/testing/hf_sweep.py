@@ -11,7 +11,10 @@ checkpoint saved sharded, exported (`bd.export_dense`) and loaded into the plain
 tensor must equal the converted model's shards bit for bit. Each architecture ends as
 
 * ``exact``: every comparison within fp32 round-off (`bigdense.testing.check`) and the export exact;
-  what the conversion kept whole, and why, is listed;
+  what the conversion kept whole, and why, is listed; so is the loss path of `bigdense.models.CausalLM`
+  around the converted model (``fused``, with the logit transform found, or ``gathered`` and why),
+  whose loss and every gradient are compared with the plain model's logits and ``F.cross_entropy``
+  (`bigdense.testing.check.compare_fused_loss`);
 * ``refused``: `bd.parallelize` refused it, with its message;
 * ``differs`` / ``error``: a bug (none is expected; the test fails on them);
 * ``unbuildable``: its tiny model cannot be built or run here (a missing optional dependency, a
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallelize.hf import transformers_version
-from .check import compare_pair, converted_pair, merge
+from .check import beyond, compare_fused_loss, compare_pair, converted_pair, merge
 from .ranks import RankError, run_ranks
 
 RTOL = 1e-4
@@ -56,6 +59,8 @@ class ArchResult:
     not_in_plan: int = 0  # dense layer patterns the model's own plan does not name
     worst_output: Optional[float] = None  # relative
     worst_grad: Optional[float] = None
+    loss_path: str = ""  # `CausalLM.loss_path`, described
+    worst_loss: Optional[float] = None  # the CausalLM's loss and gradients against the plain logits path, relative
 
 
 def architectures(only: Optional[list[str]] = None) -> list[tuple[str, bool]]:
@@ -127,10 +132,25 @@ def _one(model_type: str, variant: bool, overrides: dict, workdir: Path) -> dict
         kept_whole={k: v for k, v in report.dense.items() if v != "not named by the plan"},
         not_in_plan=sum(v == "not named by the plan" for v in report.dense.values())))
     result["comparison"] = compare_pair(reference, model, token_batch(), steps=1)
+    result["loss_path"], result["loss_diffs"] = _loss_path(reference, model)
     wrong = _export_is_exact(model, model_type, variant, overrides, workdir / name)
     if wrong:
         result.update(status="differs", detail=wrong)
     return result
+
+
+def _loss_path(reference, model) -> tuple[str, dict]:
+    """The converted model's loss path in a `CausalLM`, and its loss and gradients against the
+    plain model's logits path on a batch with ignored targets."""
+    from ..models import CausalLM
+    from .hf_models import token_batch
+
+    causal = CausalLM(model)
+    path = causal.prepare_loss()
+    ids = token_batch()["input_ids"]
+    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    targets[0, :3] = -100
+    return path.describe(), compare_fused_loss(reference, causal, ids, targets)
 
 
 def _on_this_rank(model_type: str, variant: bool, tp: int, workdir: str, overrides: dict) -> dict:
@@ -162,12 +182,19 @@ def _merged(rows: list[dict], tp: int) -> ArchResult:
     """One architecture's result over its ranks: differs if any rank's comparison does."""
     row = dict(rows[0])
     comparisons = [r.pop("comparison", None) for r in rows]
-    row.pop("comparison", None)
+    loss_diffs = [r.pop("loss_diffs", None) or {} for r in rows]
+    row.pop("comparison", None), row.pop("loss_diffs", None)
     if row["status"] == "exact":
         check = merge(tp, comparisons, RTOL)
         row["worst_output"], row["worst_grad"] = _worst(check.outputs), _worst(check.grads)
+        every = {k: (max(d[k][0] for d in loss_diffs), max(d[k][1] for d in loss_diffs)) for k in loss_diffs[0]}
+        row["worst_loss"] = _worst(every)
         if not check.exact:
             row.update(status="differs", detail=check.describe().replace("\n", " "))
+        elif beyond(every, RTOL):
+            bad = ", ".join(sorted(beyond(every, RTOL))[:3])
+            row.update(status="differs", detail=f"the CausalLM's loss path ({row['loss_path']}) differs from the plain "
+                                                f"logits path in {bad}")
     return ArchResult(**row)
 
 
@@ -181,7 +208,9 @@ def markdown(results: list[ArchResult], tp: int) -> str:
     on = ", ".join(f"{k} {v}" for k, v in versions().items())
     lines = [f"tp={tp} ({on}): {len(results)} architectures and variants; "
              + ", ".join(f"{n} {s}" for s, n in counts.items()),
-             "", "| architecture | result | split over TP | kept whole (why) |", "|---|---|---|---|"]
+             f"loss path: {sum(r.loss_path.startswith('fused') for r in results)} fused, "
+             f"{sum(r.loss_path.startswith('gathered') for r in results)} gathered",
+             "", "| architecture | result | split over TP | loss path | kept whole (why) |", "|---|---|---|---|---|"]
     for r in results:
         share = f"{r.sharded_fraction:.0%}" if r.sharded_fraction is not None else ""
         by_reason: dict[str, list[str]] = {}
@@ -190,7 +219,7 @@ def markdown(results: list[ArchResult], tp: int) -> str:
         kept = "; ".join(f"{', '.join(names)}: {why}" for why, names in by_reason.items()) or r.detail
         if r.not_in_plan:
             kept = (kept + "; " if kept else "") + f"{r.not_in_plan} dense layer patterns its plan does not name"
-        lines.append(f"| {r.name} | {r.status} | {share} | {kept} |")
+        lines.append(f"| {r.name} | {r.status} | {share} | {r.loss_path} | {kept} |")
     return "\n".join(lines)
 
 

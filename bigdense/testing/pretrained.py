@@ -91,9 +91,17 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     out = write_pretrained(args.directory, args.model_type, vocab_size=args.vocab_size, seed=args.seed)
-    files = sorted(p.name for p in out.iterdir())
-    print(f"wrote {out}: {', '.join(files)}")
+    print(describe_written(out, args.model_type, args.vocab_size, args.seed))
     return 0
+
+
+def describe_written(out: Path, model_type: str, vocab_size: int, seed: int) -> str:
+    """What `main` wrote, and the command that fine-tunes it (docs/training.md's)."""
+    files = sorted(p.name for p in out.iterdir())
+    return (f"wrote {out}: a {model_type} causal LM with random weights (seed {seed}) and its {vocab_size}-entry "
+            f"tokenizer ({EOS} ends a sequence), written by save_pretrained: {', '.join(files)}\n"
+            f"fine-tune it: .venv/bin/torchrun --standalone --nproc_per_node=2 launch/train.py model=hf "
+            f"model.path={out} optim=finetune")
 
 
 if __name__ == "__main__":

@@ -109,12 +109,26 @@ class RunCheckpoints:
                 f"({model_changes(self.dir / LATEST, self.config) or err}). To train this model, start in a new "
                 f"trainer.run_dir (or name none: a new directory per launch), or pass trainer.resume=false to "
                 f"ignore the checkpoints there") from err
+        except CheckpointError as err:  # unreadable: a file corrupted, truncated or missing
+            raise CheckpointError(
+                f"cannot resume {self.dir.parent}: {err}. To go on, start in a new trainer.run_dir, or pass "
+                f"trainer.resume=false to train from step 0 there, ignoring its checkpoints{self._earlier_hint()}"
+            ) from err
         if self.config is not None:  # a larger max_steps extends the run over a schedule of the new length
             changes = follow_config(self.engine.scheduler, self.config.optim, self.tr.max_steps)
             if changes:
                 log.warning("the learning-rate schedule changed at resume (%s): from step %d it follows the config",
                             "; ".join(changes), info.step + 1)
         return info.step, (info.extra or {}).get("data_offset", 0)
+
+    def _earlier_hint(self) -> str:
+        """How to resume from an earlier checkpoint of the run, when it keeps one besides ``latest``."""
+        pointer = self.dir / LATEST
+        current = pointer.read_text().strip() if pointer.is_file() else ""
+        earlier = sorted(p.name for p in self.dir.glob("step_*") if p.is_dir() and p.name != current)
+        if not earlier:
+            return ""
+        return f"; or resume from an earlier checkpoint by writing its name ({earlier[-1]}) into {pointer}"
 
     def resume(self) -> tuple[int, int]:
         """``(start step, data offset)`` of the run: from ``latest`` when ``trainer.resume`` and there

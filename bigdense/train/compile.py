@@ -12,6 +12,8 @@
   --compile model`).
 * ``false`` (or ``none``): eager.
 
+In both compiled modes the eager forward runs while host checks are on (a training run's first
+``trainer.checked_steps``), so the graphs hold only the checks-off forward (`_unless_checked`).
 In every case the module stays where it is, so parameter names, state dicts and checkpoints do not
 change. Inside a graph the TP collectives are functional collectives (`bigdense.parallel.comm`) and
 dropout keys are traced tensor draws. With inductor, random ops fall back to eager's generator
@@ -20,12 +22,14 @@ derived from a key are integer hashes, which inductor fuses into the multiply th
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
 
 from ..errors import ConfigError, check_choice
+from ..host_checks import checks_enabled
 from .compile_counts import GraphCounts, backend_for  # noqa: F401 - GraphCounts: re-exported
 
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -61,20 +65,41 @@ def _prepare(backend: str, graphs: int) -> None:
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 2 * graphs + 8))
 
 
+def _unless_checked(eager, backend: str, fullgraph: bool = False):
+    """``eager`` compiled with ``backend``, but run eagerly while host checks are on (`bd.set_checks`).
+
+    The checks read the device on the host (label and id ranges, the sequence shares' exchange),
+    which Dynamo can only take as graph breaks: compiled, the checked steps would be a second,
+    broken-up variant of the forward -- dozens of graphs and break warnings, a compile as slow as
+    the real one -- and, since Dynamo re-traces only the frame whose guard changed, the checks-off
+    steps after them would keep the broken-up pieces (``compile=blocks``: 12 graph calls a step
+    against 2). So the graphs hold only the checks-off forward, compiled at its first call: the
+    first step after the checked ones in a training run. A step's recompute runs under the same
+    switch as its forward (both inside one step), so both take the same path."""
+    compiled = torch.compile(eager, backend=backend_for(backend), fullgraph=fullgraph)
+
+    def forward(*args, **kwargs):
+        return (eager if checks_enabled() else compiled)(*args, **kwargs)
+
+    return functools.wraps(eager)(forward)
+
+
 def compile_blocks(blocks: Iterable[nn.Module], backend: str = "inductor") -> None:
-    """Compile every module of ``blocks`` (a ``ModuleList``) in place with ``backend``."""
+    """Compile every module of ``blocks`` (a ``ModuleList``) in place with ``backend``; eager while
+    host checks are on (`_unless_checked`)."""
     blocks = list(blocks)
     _prepare(backend, len(blocks))
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=backend_for(backend))
+        block.forward = _unless_checked(block.forward, backend)
 
 
 def compile_model(model: nn.Module, backend: str = "inductor", *, fullgraph: bool = False) -> nn.Module:
     """Compile ``model.forward`` in place as one function with ``backend`` (``trainer.compile=model``);
     returns ``model``. ``fullgraph=True`` makes a graph break an error (the tests' setting); a
-    training run takes a break, slower, rather than stopping, and `GraphCounts` reports it."""
+    training run takes a break, slower, rather than stopping, and `GraphCounts` reports it. Eager
+    while host checks are on (`_unless_checked`)."""
     _prepare(backend, 2)
-    model.forward = torch.compile(model.forward, backend=backend_for(backend), fullgraph=fullgraph)
+    model.forward = _unless_checked(model.forward, backend, fullgraph)
     return model
 
 

@@ -20,9 +20,13 @@ and everything it touches static in address and shape:
 * a parameter, an optimizer state tensor or a scaler tensor that was replaced (a checkpoint
   loaded into the engine: resume or rollback) makes the next step record the graph again.
 
-The first steps run eagerly on the graph's stream (the warm-up CUDA graphs need; the loop's
-checked steps, whose host-side range checks read the device, are among them), then the step is
-recorded and replayed. Combinations that cannot be recorded are refused by `check_cuda_graphs`
+The loop's checked steps (host checks on: their range checks read the device) run eagerly on the
+graph's stream, and so do the first `WARMUP_STEPS` steps with checks off: the warm-up (lazy
+initialisation, AdamW's state and, under ``trainer.compile=model``, the compilation of the forward
+the recording runs -- the checked steps run the eager forward, `bigdense.train.compile.compile_model`,
+so it compiles at the first checks-off step). The checked steps do not count towards the warm-up:
+a compilation inside ``torch.cuda.graph`` would be recorded as whatever it launched. Then the step
+is recorded and replayed. Combinations that cannot be recorded are refused by `check_cuda_graphs`
 with the reason.
 """
 from __future__ import annotations
@@ -35,7 +39,7 @@ from ..errors import ConfigError
 from ..host_checks import checks_enabled, env_flag
 
 KEY = "trainer.cuda_graphs"
-WARMUP_STEPS = 3  # eager steps on the capture stream before recording (lazy initialisation, AdamW state)
+WARMUP_STEPS = 3  # eager checks-off steps on the capture stream before recording (see the module docstring)
 
 
 def check_cuda_graphs(enabled: bool, *, device_type: str, engine: str = "ddp", world_size: int = 1,
@@ -68,21 +72,24 @@ def check_cuda_graphs(enabled: bool, *, device_type: str, engine: str = "ddp", w
 
 
 class StepGraph:
-    """Runs ``step_fn(micro_batches)`` (the engine's step, returning a `StepResult`) eagerly for its
-    first `WARMUP_STEPS` steps and while host checks are on, then records it once and replays it
-    (see the module docstring). ``fingerprint()``: the addresses of every tensor the step reads
-    and writes across steps (parameters, optimizer and scaler state); a change records anew."""
+    """Runs ``step_fn(micro_batches)`` (the engine's step, returning a `StepResult`) eagerly while
+    host checks are on and for the first `WARMUP_STEPS` steps with them off, then records it once
+    and replays it (see the module docstring). ``fingerprint()``: the addresses of every tensor the
+    step reads and writes across steps (parameters, optimizer and scaler state); a change records
+    anew."""
 
     def __init__(self, step_fn: Callable, fingerprint: Callable[[], tuple], device: torch.device):
         self.step_fn, self.fingerprint, self.device = step_fn, fingerprint, device
         self.stream = torch.cuda.Stream(device)
-        self.eager_steps = 0
+        self.warm_steps = 0  # eager steps with host checks off: what warms up the recorded step
         self.graph = None
         self.recorded = 0  # times the step was recorded (1 in a run without checkpoint loads)
 
     def step(self, micro_batches: Sequence[tuple]):
-        if checks_enabled() or self.eager_steps < WARMUP_STEPS:
-            self.eager_steps += 1
+        if checks_enabled():  # a checked step: another forward than the one recorded (`compile_model`)
+            return self._on_stream(lambda: self.step_fn(micro_batches))
+        if self.warm_steps < WARMUP_STEPS:
+            self.warm_steps += 1
             return self._on_stream(lambda: self.step_fn(micro_batches))
         if self.graph is not None:
             self._check_shapes(micro_batches)

@@ -282,12 +282,17 @@ class StepWindow:
     def __init__(self):
         self.start, self.steps, self.last = time.perf_counter(), 0, None
         self.loss_sum = self.applied = self.skipped = 0.0
+        self.tokens = self.correct = self.z_loss_sum = 0.0  # counted targets; of them right; z-loss
         self.pending: list = []  # (step, data position, skipped flag) not yet shown to BadSteps
 
     def add(self, result, step: int, pos: int) -> None:
-        skipped = torch.as_tensor(result.raw["skipped"]).float()
-        self.loss_sum = self.loss_sum + torch.as_tensor(result.raw["loss"]).float() * (1 - skipped)
+        raw = {k: torch.as_tensor(v).float() for k, v in result.raw.items()}
+        skipped = raw["skipped"]
+        self.loss_sum = self.loss_sum + raw["loss"] * (1 - skipped)
         self.applied, self.skipped = self.applied + (1 - skipped), self.skipped + skipped
+        self.tokens = self.tokens + raw["tokens"]
+        self.correct = self.correct + raw["accuracy"] * raw["tokens"]
+        self.z_loss_sum = self.z_loss_sum + raw["z_loss"] * (1 - skipped)
         self.steps, self.last = self.steps + 1, result
         self.pending.append((step, pos, skipped))
 
@@ -300,10 +305,14 @@ class StepWindow:
 
     def read(self) -> dict:
         """The interval's mean loss over its applied steps (one step's loss is too noisy to
-        read) and the last step's numbers, as Python values."""
-        applied, last = float(self.applied), self.last
+        read), its counted target tokens (``target_tokens``), token accuracy and mean z-loss (nan
+        where the model has no fused loss), and the last step's numbers, as Python values."""
+        applied, last, tokens = float(self.applied), self.last, float(self.tokens)
         return {
             "loss": float(self.loss_sum) / applied if applied else float("nan"), "last_loss": last.loss,
             "grad_norm": last.grad_norm, "lr": last.lr, "skipped": last.skipped,
             "skipped_steps": int(float(self.skipped)), "loss_scale": last.loss_scale,
+            "target_tokens": int(tokens) if math.isfinite(tokens) else tokens,
+            "accuracy": float(self.correct) / tokens if tokens else float("nan"),
+            "z_loss": float(self.z_loss_sum) / applied if applied else float("nan"),
         }

@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from ...kernels.softmax_ce import MAX, SMOOTH, STATS, SUM, TARGET, combined_stats, correct_tokens
 from ...parallel import comm
 
 AUTO_CHUNK_BYTES = {"cpu": 128 * 2**20, "default": 512 * 2**20}  # fp32 logits of one chunk (one slot)
@@ -54,6 +55,36 @@ class TokenInputs:
     real: Optional[torch.Tensor]
     weight: torch.Tensor
     valid: Optional[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ChunkResults:
+    """What either loop's forward hands back, per token (N,) fp32 unless said: ``losses`` the
+    cross-entropy before weighting (0 for a token that does not count), ``shift`` and ``total`` the
+    softmax's ``M`` and ``S`` (`softmax_ce.combined_stats`: ``lse = M + log S``, the softmax
+    ``exp((z - M) - log S)``), ``z_target`` the target's logit (None without a margin), ``correct``
+    (N,) bool the target's logit is the largest, ``grads`` ``(grad_h, grad_w, grad_b)`` (None
+    where not formed)."""
+
+    losses: torch.Tensor
+    shift: torch.Tensor
+    total: torch.Tensor
+    z_target: Optional[torch.Tensor]
+    correct: torch.Tensor
+    grads: tuple
+
+    @property
+    def lse(self) -> torch.Tensor:
+        return self.shift + self.total.log()
+
+
+def token_losses(shift, total, z_target, z_sum, eps: float, smoothing_classes) -> torch.Tensor:
+    """The cross-entropy of each token from the combined statistics: ``lse - (1 - eps) z_t - (eps /
+    C) sum_j z_j``, written ``(M - z_t) + log S`` without smoothing, so that at large logits no fp32
+    ``lse`` is rounded before the difference is taken."""
+    if eps == 0:
+        return (shift - z_target) + total.log()
+    return (shift - (1.0 - eps) * z_target - (eps / smoothing_classes) * z_sum) + total.log()
 
 
 def grad_buffers(hc_all: torch.Tensor, wc: torch.Tensor, wanted, grad_h_dtype: torch.dtype,
@@ -94,11 +125,15 @@ def exp_shifted_(z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 class ChunkBuffers:
     """Reused buffers of one call for ``wc`` (C_local, D) and chunks of up to ``chunk`` tokens."""
 
-    def __init__(self, wc: torch.Tensor, n_tokens: int, chunk: int, slots: int, weight_grad: bool):
+    def __init__(self, wc: torch.Tensor, n_tokens: int, chunk: int, slots: int, weight_grad: bool,
+                 softcap: float = 0.0):
         self.c_local, width = wc.shape
         self.chunk = max(1, min(chunk, n_tokens))
         size = self.c_local * self.chunk
         self.fp32 = [torch.empty(size, dtype=torch.float32, device=wc.device) for _ in range(slots)]
+        # With a softcap, each slot's tanh(z / c), kept for the gradient's factor 1 - tanh**2.
+        self.softcap = float(softcap or 0.0)
+        self.tanh = [torch.empty(size, dtype=torch.float32, device=wc.device) for _ in range(slots if softcap else 0)]
         self.low = None if wc.dtype == torch.float32 else torch.empty(size, dtype=wc.dtype, device=wc.device)
         self.block_rows = max(1, WEIGHT_GRAD_BLOCK_BYTES // max(1, width * wc.element_size()))
         self.block = None
@@ -118,7 +153,21 @@ class ChunkBuffers:
             torch.mm(wc, hc.t(), out=target)
         else:
             torch.addmm(bc.unsqueeze(1), wc, hc.t(), out=target)
-        return out if self.low is None else out.copy_(target)
+        if self.low is not None:
+            out.copy_(target)
+        if self.softcap:  # z := c * tanh(z / c), tanh(z / c) kept in this slot's second buffer
+            tanh = self.tanh[slot][: shape[0] * shape[1]].view(shape)
+            torch.tanh(out.div_(self.softcap), out=tanh)
+            torch.mul(tanh, self.softcap, out=out)
+        return out
+
+    def cap_slope(self, slot: int, zt: torch.Tensor) -> Optional[torch.Tensor]:
+        """``1 - tanh(z / c)**2`` of slot ``slot``'s chunk (shaped like its logits ``zt``), d
+        cap(z) / d z, formed in place of the kept tanh; None without a softcap."""
+        if not self.softcap:
+            return None
+        tanh = self.tanh[slot][: zt.numel()].view(zt.shape)
+        return tanh.mul_(tanh).neg_().add_(1.0)
 
     def low_copy(self, pt: torch.Tensor) -> torch.Tensor:
         """``pt`` in the matmul dtype, in the low-precision buffer (free once a chunk's logits are fp32)."""
@@ -130,37 +179,34 @@ def chunk_stats(zt: torch.Tensor, t_local: torch.Tensor, in_shard: torch.Tensor,
     """Local softmax statistics of fp32 logits ``zt`` (C_local, n), classes-major; leaves
     ``exp(z - m_local)`` in ``zt`` (floored, `exp_shifted_`). ``real`` (C_local,) bool: the rows that
     are classes, the others padding of a sample (logit -inf). A token whose rows here are all
-    padding has a max of -inf, which `finish_combine` and the caller's softmax scale treat as none.
+    padding has a max of -inf, which `combine` and the caller's softmax scale treat as none.
 
-    Returns (4, n): max, sum of exp(z - max), target logit (0 off-shard), sum of logits (0 unless
-    smoothing).
+    Returns (`softmax_ce.STATS`, n), the rows `softmax_ce.row_stats` writes: max, sum of exp(z -
+    max), target logit (0 off-shard), sum of logits (0 unless smoothing).
     """
     n = zt.shape[1]
-    stats = zt.new_zeros(4, n)
+    stats = zt.new_zeros(STATS, n)
     if zt.shape[0] == 0:  # a rank with no classes (num_classes < tp) contributes exp(-inf) = 0
-        stats[0].fill_(float("-inf"))
+        stats[MAX].fill_(float("-inf"))
         return stats
-    stats[0] = zt.amax(dim=0)
-    stats[2] = torch.where(in_shard, zt.gather(0, t_local.unsqueeze(0)).squeeze(0), 0.0)
+    stats[MAX] = zt.amax(dim=0)
+    stats[TARGET] = torch.where(in_shard, zt.gather(0, t_local.unsqueeze(0)).squeeze(0), 0.0)
     if smoothing:
-        stats[3] = (zt if real is None else torch.where(real.unsqueeze(1), zt, 0.0)).sum(dim=0)
-    stats[1] = exp_shifted_(zt, stats[0]).sum(dim=0)
+        stats[SMOOTH] = (zt if real is None else torch.where(real.unsqueeze(1), zt, 0.0)).sum(dim=0)
+    stats[SUM] = exp_shifted_(zt, stats[MAX]).sum(dim=0)
     return stats
 
 
 def start_combine(local: torch.Tensor, group) -> comm.Pending:
-    """Start gathering every rank's (4, n) statistics; `finish_combine` waits for them. In between,
-    the caller may compute the next chunk's logits, so the collective overlaps that matmul."""
-    return comm.all_gather_dim_start(local, 0, group, [4] * comm.group_size(group))
+    """Start gathering every rank's (`STATS`, n) statistics; `combine` reads what arrives. In
+    between, the caller may compute the next chunk's logits, so the collective overlaps that matmul."""
+    return comm.all_gather_dim_start(local, 0, group, [STATS] * comm.group_size(group))
 
 
-def finish_combine(started: comm.Pending) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(lse, target logit, sum of logits) per token, combined in rank order (the same on every rank)."""
+def combine(started: comm.Pending) -> torch.Tensor:
+    """Every rank's statistics of a chunk, (R, `STATS`, n) in rank order (the same on every rank)."""
     every = started.wait()
-    every = every.view(-1, 4, every.shape[-1])
-    # log(0) = -inf for a rank without classes; logsumexp ignores it.
-    lse = torch.logsumexp(every[:, 0] + every[:, 1].log(), dim=0)
-    return lse, every[:, 2].sum(0), every[:, 3].sum(0)
+    return every.view(-1, STATS, every.shape[-1])
 
 
 def add_at_target_(zt: torch.Tensor, t_local: torch.Tensor, offset: torch.Tensor) -> None:
@@ -182,7 +228,7 @@ def logit_grad_(pt: torch.Tensor, scale, t_local, in_shard, weight, eps: float, 
 
 
 def chunk_grads(pt, scale, t_local, in_shard, weight, hc, wc, rows: slice, grads, bufs: ChunkBuffers,
-                eps: float, num_classes: int) -> None:
+                eps: float, num_classes: int, slope: Optional[torch.Tensor] = None) -> None:
     """Add one chunk's gradients into the fp32 buffers ``grads = (grad_h, grad_w, grad_b)``.
 
     ``pt * scale`` (C_local, n, fp32) are the chunk's softmax probabilities; ``weight`` (n,) the
@@ -194,13 +240,16 @@ def chunk_grads(pt, scale, t_local, in_shard, weight, hc, wc, rows: slice, grads
     unweighted logit gradient (entries in [-1, 1]) and the factor is applied in fp32 afterwards: per
     row for ``grad_h``, and for ``grad_w`` (a sum over tokens) as the chunk's largest factor times
     each token's factor relative to it; ``grad_w`` is then formed ``bufs.block_rows`` rows at a time.
+    ``slope`` (C_local, n) or None: d cap(z) / d z of a softcap, multiplying the logit gradient.
     """
     grad_h, grad_w, grad_b = grads
-    if wc.dtype == torch.float32 and eps == 0:
+    if wc.dtype == torch.float32 and eps == 0 and slope is None:
         _fp32_grads_unscaled(pt, scale * weight, -weight * in_shard, t_local, hc, wc, rows, grads)
         return
     if wc.dtype == torch.float32:
         logit_grad_(pt, scale, t_local, in_shard, weight, eps, num_classes)
+        if slope is not None:
+            pt.mul_(slope)
         if grad_b is not None:
             grad_b.add_(pt.sum(1))
         if grad_h is not None:
@@ -209,6 +258,8 @@ def chunk_grads(pt, scale, t_local, in_shard, weight, hc, wc, rows: slice, grads
             grad_w.addmm_(pt, hc)
         return
     logit_grad_(pt, scale, t_local, in_shard, (weight != 0).float(), eps, num_classes)
+    if slope is not None:
+        pt.mul_(slope)
     if grad_b is not None:
         grad_b.addmv_(pt, weight)
     low = bufs.low_copy(pt)
@@ -248,74 +299,79 @@ def cast_operands(h, weight, bias, dtype) -> tuple[torch.Tensor, torch.Tensor, O
     return h.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
-def forward_chunks(hc_all, wc, bc, weight_dtype, tokens: TokenInputs, wanted, cfg):
-    """Every chunk of the forward on this loop (`fused_ce` says when it runs): per-token losses, lse,
-    target logits (None without a margin) and the fp32 ``(grad_h, grad_w, grad_b)`` where ``wanted``
-    (``weight_dtype`` is unused: this loop's gradients are fp32, cast by the caller). ``cfg`` is the
-    call's `fused_ce.CEConfig`."""
+def softmax_scale(local_max: torch.Tensor, shift: torch.Tensor, total: torch.Tensor, z_loss: float) -> torch.Tensor:
+    """Per token, what turns this rank's ``exp(z - m_local)`` into the loss's softmax term:
+    ``exp((m_local - M) - log S)``, times ``1 + 2 zl lse`` with a z-loss. 0 where this rank scores no
+    class (a sample's padding only), also when no rank does (S = 0: every token is ignored)."""
+    log_total = torch.where(total != 0, total, 1.0).log()
+    scale = torch.where(local_max == float("-inf"), 0.0, torch.exp((local_max - shift) - log_total))
+    return scale if not z_loss else scale * (1.0 + 2.0 * z_loss * (shift + log_total))
+
+
+def forward_chunks(hc_all, wc, bc, weight_dtype, tokens: TokenInputs, wanted, cfg) -> ChunkResults:
+    """Every chunk of the forward on this loop (`fused_ce` says when it runs): the call's
+    `ChunkResults`, with the fp32 ``(grad_h, grad_w, grad_b)`` where ``wanted`` (``weight_dtype`` is
+    unused: this loop's gradients are fp32, cast by the caller). ``cfg`` is the call's
+    `fused_ce.CEConfig`."""
     n_tokens = hc_all.shape[0]
     t_local, in_shard, offset, real = tokens.t_local, tokens.in_shard, tokens.offset, tokens.real
     token_weight, valid = tokens.weight, tokens.valid
     need_h, need_w, need_b = wanted
     smoothing = cfg.label_smoothing > 0
     slots = logits_slots(comm.group_size(cfg.group), hc_all.device.type)
-    bufs = ChunkBuffers(wc, n_tokens, cfg.chunk_size, slots, need_w)
-    losses = torch.zeros(n_tokens, dtype=torch.float32, device=wc.device)
-    lse_all = torch.empty(n_tokens, dtype=torch.float32, device=wc.device)
-    z_target_all = None if offset is None else torch.empty(n_tokens, dtype=torch.float32, device=wc.device)
+    bufs = ChunkBuffers(wc, n_tokens, cfg.chunk_size, slots, need_w, cfg.softcap)
+    shift, total, z_target, z_sum = torch.zeros(4, n_tokens, dtype=torch.float32, device=wc.device)
+    correct = torch.zeros(n_tokens, dtype=torch.bool, device=wc.device)
     grads = grad_buffers(hc_all, wc, wanted, torch.float32, torch.float32)
     grads_now = need_h or need_w or need_b
 
-    def finish(rows: slice, zt, stats, started) -> None:
+    def finish(rows: slice, slot: int, zt, stats, started) -> None:
         """Everything of a chunk that needs the other ranks' statistics."""
-        lse, z_target, z_sum = finish_combine(started)
-        lse_all[rows] = lse
-        if z_target_all is not None:
-            z_target_all[rows] = z_target
-        loss = lse - (1.0 - cfg.label_smoothing) * z_target
-        if smoothing:
-            loss = loss - (cfg.label_smoothing / cfg.smoothing_classes) * z_sum
-        losses[rows] = torch.where(valid[rows], loss, 0.0)
+        every = combine(started)
+        shift[rows], total[rows] = combined_stats(every)
+        z_target[rows], z_sum[rows] = every[:, TARGET].sum(0), every[:, SMOOTH].sum(0)
+        correct[rows] = correct_tokens(every)
         if grads_now:
-            # exp(z - m_local) * exp(m_local - lse) is the softmax; 0 where this rank scores no class
-            # (a sample's padding only), also when no rank does (lse = -inf: every token is ignored).
-            scale = torch.where(stats[0] == float("-inf"), 0.0, torch.exp(stats[0] - lse))
-            chunk_grads(zt, scale, t_local[rows], in_shard[rows], token_weight[rows],
-                        hc_all[rows], wc, rows, grads, bufs, cfg.label_smoothing, cfg.smoothing_classes)
+            scale = softmax_scale(stats[MAX], shift[rows], total[rows], cfg.z_loss)
+            chunk_grads(zt, scale, t_local[rows], in_shard[rows], token_weight[rows], hc_all[rows], wc, rows, grads,
+                        bufs, cfg.label_smoothing, cfg.smoothing_classes, bufs.cap_slope(slot, zt))
 
     pending = None
     for index, lo in enumerate(range(0, n_tokens, cfg.chunk_size)):
-        rows = slice(lo, min(lo + cfg.chunk_size, n_tokens))
-        zt = bufs.logits(hc_all[rows], wc, bc, index % len(bufs.fp32))
+        rows, slot = slice(lo, min(lo + cfg.chunk_size, n_tokens)), index % len(bufs.fp32)
+        zt = bufs.logits(hc_all[rows], wc, bc, slot)
         if offset is not None:
             add_at_target_(zt, t_local[rows], offset[rows])
         stats = chunk_stats(zt, t_local[rows], in_shard[rows], smoothing, real)  # z := exp(z - m_local)
         started = start_combine(stats, cfg.group)
         if pending is not None:  # the previous chunk's statistics arrived while this chunk's matmul ran
             finish(*pending)
-        pending = (rows, zt, stats, started)
+        pending = (rows, slot, zt, stats, started)
         if slots == 1:  # the next chunk would overwrite the only slot
             finish(*pending)
             pending = None
     if pending is not None:
         finish(*pending)
-    return losses, lse_all, z_target_all, grads
+    losses = token_losses(shift, total, z_target, z_sum, cfg.label_smoothing, cfg.smoothing_classes)
+    losses = torch.where(valid, losses, 0.0)
+    return ChunkResults(losses, shift, total, z_target if offset is not None else None, correct & valid, grads)
 
 
-def recompute_chunks(hc_all, wc, bc, weight_dtype, tokens: TokenInputs, lse, wanted, cfg):
+def recompute_chunks(hc_all, wc, bc, weight_dtype, tokens: TokenInputs, shift, total, wanted, cfg):
     """The recompute strategy's backward on this loop: each chunk's logits again, its gradient from
-    the forward's ``lse``; the fp32 ``(grad_h, grad_w, grad_b)`` where ``wanted``."""
+    the forward's softmax ``shift`` and ``total`` (`ChunkResults`); the fp32 ``(grad_h, grad_w,
+    grad_b)`` where ``wanted``."""
     n_tokens = hc_all.shape[0]
-    need_h, need_w, need_b = wanted
-    bufs = ChunkBuffers(wc, n_tokens, cfg.chunk_size, 1, need_w)
+    bufs = ChunkBuffers(wc, n_tokens, cfg.chunk_size, 1, wanted[1], cfg.softcap)
     grads = grad_buffers(hc_all, wc, wanted, torch.float32, torch.float32)
     for lo in range(0, n_tokens, cfg.chunk_size):
         rows = slice(lo, min(lo + cfg.chunk_size, n_tokens))
         p = bufs.logits(hc_all[rows], wc, bc, 0)
         if tokens.offset is not None:
             add_at_target_(p, tokens.t_local[rows], tokens.offset[rows])
-        # (lse = -inf only where no rank scores a class, so every token is ignored: its weight is 0)
-        exp_shifted_(p, lse[rows])
-        chunk_grads(p, 1.0, tokens.t_local[rows], tokens.in_shard[rows], tokens.weight[rows], hc_all[rows], wc, rows,
-                    grads, bufs, cfg.label_smoothing, cfg.smoothing_classes)
+        # (S = 0 only where no rank scores a class, so every token is ignored: its weight is 0)
+        exp_shifted_(p, shift[rows])
+        scale = softmax_scale(shift[rows], shift[rows], total[rows], cfg.z_loss)
+        chunk_grads(p, scale, tokens.t_local[rows], tokens.in_shard[rows], tokens.weight[rows], hc_all[rows], wc,
+                    rows, grads, bufs, cfg.label_smoothing, cfg.smoothing_classes, bufs.cap_slope(0, p))
     return grads

@@ -33,9 +33,9 @@ from typing import Optional
 import torch
 
 from ...kernels import ce_kernels
-from ...kernels.softmax_ce import combined_lse, kernels_choice
+from ...kernels.softmax_ce import SMOOTH, STATS, TARGET, combined_stats, correct_tokens, kernels_choice
 from ...parallel import comm
-from .ce_chunks import TokenInputs, grad_buffers
+from .ce_chunks import ChunkResults, TokenInputs, grad_buffers, token_losses
 
 # The logits buffers of one call (every slot), in the matmul dtype. With the bf16 gradients this
 # keeps the call's peak (weight and input gradients included) near 1.25 GiB at 128k-256k classes.
@@ -73,7 +73,8 @@ class TokenTerms:
 
     ``target`` (N,) the local class index, -1 off-shard or ignored; ``offset`` (N,) fp32 or None,
     added to the target's logit; ``real`` (C,) bool or None, a sample's real rows; ``weight`` (N,)
-    fp32, d loss / d loss_i; ``smooth`` a device scalar eps / classes, or None."""
+    fp32, d loss / d loss_i; ``smooth`` a device scalar eps / classes, or None; ``softcap`` and
+    ``z_loss`` the call's logit options (0: off)."""
 
     target: torch.Tensor
     offset: Optional[torch.Tensor]
@@ -81,20 +82,27 @@ class TokenTerms:
     weight: torch.Tensor
     eps: float
     smooth: Optional[torch.Tensor]
+    softcap: float = 0.0
+    z_loss: float = 0.0
+
+    def stats_(self, kernels, z: torch.Tensor, rows: slice, smoothing: bool, out: torch.Tensor) -> torch.Tensor:
+        offset = None if self.offset is None else self.offset[rows]
+        return kernels.row_stats(z, self.target[rows], offset, self.real, smoothing, out, softcap=self.softcap)
 
     def grad_(self, kernels, z: torch.Tensor, stats: torch.Tensor, rows: slice) -> torch.Tensor:
         offset = None if self.offset is None else self.offset[rows]
         return kernels.softmax_grad_(z, stats, self.target[rows], offset, self.real, self.weight[rows],
-                                     self.eps, self.smooth)
+                                     self.eps, self.smooth, softcap=self.softcap, z_loss=self.z_loss)
 
 
-def token_terms(tokens: TokenInputs, eps: float, smoothing_classes) -> TokenTerms:
-    """The kernels' view of ``tokens``: off-shard targets as -1, eps / classes on the device."""
-    smooth = None
+def token_terms(tokens: TokenInputs, cfg) -> TokenTerms:
+    """The kernels' view of ``tokens`` under the call's `fused_ce.CEConfig`: off-shard targets as -1,
+    eps / classes on the device."""
+    eps, smooth = cfg.label_smoothing, None
     if eps > 0:
-        smooth = (torch.full((), eps, device=tokens.weight.device) / smoothing_classes).float()
+        smooth = (torch.full((), eps, device=tokens.weight.device) / cfg.smoothing_classes).float()
     target = torch.where(tokens.in_shard, tokens.t_local, -1)
-    return TokenTerms(target, tokens.offset, tokens.real, tokens.weight, eps, smooth)
+    return TokenTerms(target, tokens.offset, tokens.real, tokens.weight, eps, smooth, cfg.softcap, cfg.z_loss)
 
 
 def _logits(hc: torch.Tensor, wc: torch.Tensor, bc: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
@@ -148,25 +156,24 @@ class KernelChunks:
 
 def _forward_loop(hc_all, wc, bc, terms: TokenTerms, smoothing: bool, group, chunk: int, grads) -> torch.Tensor:
     """Every chunk of the forward: statistics, and with ``grads`` not all None the gradients too.
-    Returns every rank's statistics of every token, (R, 4, N) fp32 in rank order."""
+    Returns every rank's statistics of every token, (R, `STATS`, N) fp32 in rank order."""
     ranks = comm.group_size(group)
     loop = KernelChunks(hc_all, wc, chunk, kernel_slots(ranks))
-    local = torch.empty(4 * loop.n_tokens, dtype=torch.float32, device=hc_all.device)
+    local = torch.empty(STATS * loop.n_tokens, dtype=torch.float32, device=hc_all.device)
     gathered, pending = [], None
     wants_grads = any(g is not None for g in grads)
 
     def finish(rows: slice, z: torch.Tensor, started: comm.Pending) -> None:
-        every = started.wait().view(ranks, 4, z.shape[0])
+        every = started.wait().view(ranks, STATS, z.shape[0])
         gathered.append(every)
         if wants_grads:
             chunk_grads(terms.grad_(loop.kernels, z, every, rows), hc_all[rows], wc, rows, grads)
 
     for index, rows in loop.ranges():
         z = loop.logits(hc_all[rows], wc, bc, index)
-        stats = local[4 * rows.start: 4 * rows.stop].view(4, z.shape[0])
-        offset = None if terms.offset is None else terms.offset[rows]
-        loop.kernels.row_stats(z, terms.target[rows], offset, terms.real, smoothing, stats)
-        started = comm.all_gather_dim_start(stats, 0, group, [4] * ranks)
+        stats = terms.stats_(loop.kernels, z, rows, smoothing,
+                             local[STATS * rows.start: STATS * rows.stop].view(STATS, z.shape[0]))
+        started = comm.all_gather_dim_start(stats, 0, group, [STATS] * ranks)
         if pending is not None:  # the previous chunk's statistics arrived while this chunk's GEMM ran
             finish(*pending)
         pending = (rows, z, started)
@@ -176,45 +183,39 @@ def _forward_loop(hc_all, wc, bc, terms: TokenTerms, smoothing: bool, group, chu
     if pending is not None:
         finish(*pending)
     if not gathered:
-        return local.view(1, 4, 0).expand(ranks, 4, 0)
+        return local.view(1, STATS, 0).expand(ranks, STATS, 0)
     return torch.cat(gathered, dim=2)  # once per call (16 bytes a token per rank)
 
 
-def _recompute_loop(hc_all, wc, bc, terms: TokenTerms, lse: torch.Tensor, chunk: int, grads) -> None:
+def _recompute_loop(hc_all, wc, bc, terms: TokenTerms, shift: torch.Tensor, total: torch.Tensor, chunk: int,
+                    grads) -> None:
     """The recompute strategy's backward: each chunk's logits again, then its gradient from the
-    forward's ``lse`` (as statistics of one rank: max ``lse``, sum 1)."""
+    forward's softmax ``M`` and ``S`` (as statistics of one rank: max ``M``, sum ``S``)."""
     loop = KernelChunks(hc_all, wc, chunk, 1)
-    ones = torch.ones_like(lse)
-    stats = torch.stack([lse, ones, ones, ones]).unsqueeze(0)  # only the max and the sum are read
+    stats = torch.zeros(1, STATS, shift.shape[0], dtype=torch.float32, device=shift.device)
+    stats[0, 0], stats[0, 1] = shift, total  # only the max and the sum are read
     for index, rows in loop.ranges():
         z = loop.logits(hc_all[rows], wc, bc, index)
         chunk_grads(terms.grad_(loop.kernels, z, stats[:, :, rows], rows), hc_all[rows], wc, rows, grads)
 
 
-def losses_from_stats(every: torch.Tensor, eps: float, smoothing_classes):
-    """(lse, target logit, per-token loss before weighting) from every rank's (R, 4, N) statistics."""
-    lse = combined_lse(every)
-    z_target = every[:, 2].sum(dim=0)
-    loss = lse - (1.0 - eps) * z_target
-    if eps > 0:
-        loss = loss - (eps / smoothing_classes) * every[:, 3].sum(dim=0)
-    return lse, z_target, loss
-
-
-def forward_chunks(hc_all, wc, bc, weight_dtype, tokens: TokenInputs, wanted, cfg):
-    """Every chunk of the forward on this loop: per-token losses, lse, target logits, and
-    ``(grad_h, grad_w, grad_b)`` where ``wanted`` (grad_h in the matmul dtype, grad_w in the
-    weight's or fp32 with ``cfg.fp32_weight_grad``). ``cfg`` is the call's `fused_ce.CEConfig`."""
+def forward_chunks(hc_all, wc, bc, weight_dtype, tokens: TokenInputs, wanted, cfg) -> ChunkResults:
+    """Every chunk of the forward on this loop: the call's `ChunkResults`, with ``(grad_h, grad_w,
+    grad_b)`` where ``wanted`` (grad_h in the matmul dtype, grad_w in the weight's or fp32 with
+    ``cfg.fp32_weight_grad``). ``cfg`` is the call's `fused_ce.CEConfig`."""
     grads = grad_buffers(hc_all, wc, wanted, hc_all.dtype, torch.float32 if cfg.fp32_weight_grad else weight_dtype)
-    terms = token_terms(tokens, cfg.label_smoothing, cfg.smoothing_classes)
+    terms = token_terms(tokens, cfg)
     every = _forward_loop(hc_all, wc, bc, terms, cfg.label_smoothing > 0, cfg.group, cfg.chunk_size, grads)
-    lse, z_target, loss = losses_from_stats(every, cfg.label_smoothing, cfg.smoothing_classes)
-    return torch.where(tokens.valid, loss, 0.0), lse, z_target, grads
+    shift, total = combined_stats(every)
+    z_target = every[:, TARGET].sum(dim=0)
+    losses = token_losses(shift, total, z_target, every[:, SMOOTH].sum(dim=0), cfg.label_smoothing,
+                          cfg.smoothing_classes)
+    return ChunkResults(torch.where(tokens.valid, losses, 0.0), shift, total,
+                        z_target if tokens.offset is not None else None, correct_tokens(every) & tokens.valid, grads)
 
 
-def recompute_chunks(hc_all, wc, bc, weight_dtype, tokens: TokenInputs, lse, wanted, cfg):
+def recompute_chunks(hc_all, wc, bc, weight_dtype, tokens: TokenInputs, shift, total, wanted, cfg):
     """The recompute strategy's backward on this loop: ``(grad_h, grad_w, grad_b)`` where ``wanted``."""
     grads = grad_buffers(hc_all, wc, wanted, hc_all.dtype, torch.float32 if cfg.fp32_weight_grad else weight_dtype)
-    terms = token_terms(tokens, cfg.label_smoothing, cfg.smoothing_classes)
-    _recompute_loop(hc_all, wc, bc, terms, lse, cfg.chunk_size, grads)
+    _recompute_loop(hc_all, wc, bc, token_terms(tokens, cfg), shift, total, cfg.chunk_size, grads)
     return grads

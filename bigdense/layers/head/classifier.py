@@ -20,19 +20,17 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ...parallel import comm, schedule
+from ...parallel import comm
 from ...parallel.autocast import autocast_dtype
 from ...parallel.regions import copy_to_tp, gather_from_sequence
 from ...errors import check_positive_int, is_positive_int
+from ...kernels.softmax_ce import softcapped
 from .modes import ClassGroups, DPBlocks, check_target, loss_inputs, resolve_class_groups
 from ..init import InitSpec, init_bias_
 from ..linear import ColumnParallelLinear
 from .margin import MarginSpec, resolve_margin
 from .sampling import check_sample_rate
-from .fused_ce import CEConfig, FusedVocabParallelCE, auto_chunk_size, loss_chunk_tokens
-
-_REDUCTIONS = ("mean", "sum", "none")
-_STRATEGIES = ("forward", "recompute")
+from .fused_ce import STRATEGIES, auto_chunk_size, check_logit_options, fused_cross_entropy
 
 
 class ParallelClassifierHead(ColumnParallelLinear):
@@ -91,6 +89,13 @@ class ParallelClassifierHead(ColumnParallelLinear):
     ``predict`` ranks by cosine. ``scale`` is InsightFace's 64 by default; far above what the class
     count needs (AdaCos's ``sqrt(2) ln(C - 1)``: 14 for 20,000 classes) it puts the softmax on the
     few hardest negatives and slows early training (docs/performance.md, the accuracy suite).
+
+    ``softcap`` c (None or 0: off): the logits are ``c * tanh(z / c)`` (Gemma 2's
+    ``final_logit_softcapping``) in ``loss``, ``logits`` and ``predict``; the loss's gradient goes
+    through the tanh exactly, inside the fused loop. Not with a margin. ``z_loss`` (0: off): each
+    counted token's loss gains ``z_loss * lse**2`` (PaLM's auxiliary loss, keeping the softmax's
+    normaliser near 1), reduced as the loss is; the collector of `bigdense.layers.head.metrics`
+    gets it apart, with the tokens predicted right. Both are also options of each ``loss`` call.
     """
 
     def __init__(
@@ -106,6 +111,8 @@ class ParallelClassifierHead(ColumnParallelLinear):
         chunk_size: Optional[int] = None,
         grad_strategy: str = "forward",
         fp32_weight_grad: bool = False,
+        softcap: Optional[float] = None,
+        z_loss: float = 0.0,
         sequence_parallel: bool = False,
         init: InitSpec = "torch",
         tp_group=None,
@@ -119,6 +126,10 @@ class ParallelClassifierHead(ColumnParallelLinear):
         if self_margin is not None and bias:
             raise ValueError(f"{where}: margin={margin!r} normalises the class vectors, so the head has no bias; "
                              "pass bias=False")
+        softcap, z_loss = check_logit_options(f"{where}: ", softcap, z_loss)
+        if self_margin is not None and softcap:
+            raise ValueError(f"{where}: margin={margin!r} sets the logits to scale * cos, which a softcap would bend; "
+                             "pass softcap=None with a margin")
         groups = resolve_class_groups(shard, tp_group, dp_group, where)
         if groups.shard == "world" and sequence_parallel:
             raise ValueError(f"{where}: shard='world' gathers every DP rank's tokens; it does not combine with "
@@ -128,9 +139,9 @@ class ParallelClassifierHead(ColumnParallelLinear):
             raise ValueError(
                 f"ParallelClassifierHead: chunk_size must be a positive integer or None, got {chunk_size!r}"
             )
-        if grad_strategy not in _STRATEGIES:
+        if grad_strategy not in STRATEGIES:
             raise ValueError(
-                f"ParallelClassifierHead: grad_strategy must be one of {_STRATEGIES}, got {grad_strategy!r}"
+                f"ParallelClassifierHead: grad_strategy must be one of {STRATEGIES}, got {grad_strategy!r}"
             )
         # The classes are split over `groups.classes` (the TP group, or the whole mesh): the
         # layer's "TP group" below is that group, so init, shard specs and dense conversion follow it.
@@ -146,6 +157,7 @@ class ParallelClassifierHead(ColumnParallelLinear):
         self.fp32_weight_grad = bool(fp32_weight_grad)
         self.sample_rate = float(sample_rate)
         self.margin = self_margin
+        self.softcap, self.z_loss = softcap, z_loss
 
     @property
     def shard(self) -> str:
@@ -175,7 +187,8 @@ class ParallelClassifierHead(ColumnParallelLinear):
         return (
             f"{self._describe_shape()}, bias={self.bias is not None}, classes on this rank="
             f"{self.classes_local} (from {self.class_start}), shard={self.shard!r} over {self.tp_size} ranks, "
-            f"sample_rate={self.sample_rate}, margin={self.margin}, chunk_size={self.chunk_size}{tied}"
+            f"sample_rate={self.sample_rate}, margin={self.margin}, softcap={self.softcap or None}, "
+            f"z_loss={self.z_loss}, chunk_size={self.chunk_size}{tied}"
         )
 
     # ---- the plain twin (`DenseTwin`, through `ColumnParallelLinear`) ----
@@ -214,9 +227,9 @@ class ParallelClassifierHead(ColumnParallelLinear):
 
     def logits(self, h: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
         """This rank's shard of the logits of ``h`` as given (no DP gathering), (*, classes_local);
-        with a margin, ``scale * cos``. Grad of ``h`` is summed over TP."""
+        with a margin, ``scale * cos``; with a softcap, capped. Grad of ``h`` is summed over TP."""
         if self.margin is None:
-            return super().forward(h, seq_len)
+            return softcapped(super().forward(h, seq_len), self.softcap)
         if self.sequence_parallel:  # the gather's backward reduce-scatters the partial gradient
             h = self._gather_sequence(h, seq_len)
         else:
@@ -242,6 +255,8 @@ class ParallelClassifierHead(ColumnParallelLinear):
         label_smoothing: float = 0.0,
         ignore_index: int = -100,
         reduction: str = "mean",
+        softcap: Optional[float] = None,
+        z_loss: Optional[float] = None,
     ) -> torch.Tensor:
         """``F.cross_entropy(full_logits, target, ...)`` computed vocab-parallel, fused and chunked.
 
@@ -249,7 +264,8 @@ class ParallelClassifierHead(ColumnParallelLinear):
         replicated on TP. Returns an fp32 scalar (``"mean"``, ``"sum"``) or ``target``'s shape
         (``"none"``), the same on every rank; gradients flow to ``h`` (summed over TP), ``weight``
         and ``bias``. The softmax is accumulated in fp32; under autocast the matmuls run in
-        autocast's dtype, as ``F.linear`` would.
+        autocast's dtype, as ``F.linear`` would. ``softcap`` and ``z_loss``: None takes the head's
+        (see the class docstring), 0 turns them off for this call; the z-loss is part of the result.
 
         Edges, identical on every rank: a label outside ``[0, num_classes)`` that is not
         ``ignore_index`` raises ValueError naming it (a host-side check, behind `bd.set_checks`;
@@ -270,38 +286,20 @@ class ParallelClassifierHead(ColumnParallelLinear):
             h = self._gather_sequence(h, target.shape[-1])
         self._check_input(h, self.in_features, "in_features, replicated on every TP rank", self.weight)
         check_target(self._where(), h, target, ignore_index, self.num_classes)
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"{self._where()}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-        if not 0.0 <= float(label_smoothing) <= 1.0:
-            raise ValueError(f"{self._where()}: label_smoothing must be in [0, 1], got {label_smoothing}")
+        softcap = self.softcap if softcap is None else softcap
+        if softcap and self.margin is not None:
+            raise ValueError(f"{self._where()}: softcap={softcap} does not combine with the head's margin")
         x = loss_inputs(self, h.reshape(-1, self.in_features), target.reshape(-1), int(ignore_index))
-        device_type = h.device.type
-        compute_dtype = autocast_dtype(device_type, h.dtype)
-        cfg = CEConfig(
-            group=self.tp_group,
-            num_classes=x.classes.num_classes,
-            class_start=x.classes.class_start,
-            label_smoothing=float(label_smoothing),
-            ignore_index=x.classes.ignore_index,
-            reduction=reduction,
-            chunk_size=self.chunk_size or loss_chunk_tokens(x.classes.largest_shard, device_type, compute_dtype,
-                                                            comm.group_size(self.tp_group)),
-            strategy="recompute" if reduction == "none" else self.grad_strategy,
-            compute_dtype=compute_dtype,
+        out = fused_cross_entropy(
+            x.h, x.classes.weight, x.classes.bias, x.classes.target, where=self._where(),
+            group=self.tp_group, num_classes=x.classes.num_classes, class_start=x.classes.class_start,
+            largest_shard=x.classes.largest_shard, label_smoothing=label_smoothing, ignore_index=x.classes.ignore_index,
+            reduction=reduction, softcap=softcap, z_loss=self.z_loss if z_loss is None else z_loss,
+            chunk_size=self.chunk_size, strategy=self.grad_strategy, fp32_weight_grad=self.fp32_weight_grad,
             # Under sequence parallelism the gather's backward reduce-scatters the partial gradient.
-            sum_grad_h=not self.sequence_parallel,
-            # Decided here: inside the autograd function grad mode is always off and
-            # needs_input_grad says True even under no_grad, so evaluation would form gradients.
-            grad_wanted=torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad for t in (x.h, x.classes.weight, x.classes.bias, x.target_offset)
-            ),
-            grad_group=self.groups.tp if x.rows is not None else None,
-            rows=x.rows,
-            sample=x.classes.sample,
-            fp32_weight_grad=self.fp32_weight_grad,
+            sum_grad_h=not self.sequence_parallel, target_offset=x.target_offset, rows=x.rows,
+            sample=x.classes.sample, grad_group=self.groups.tp if x.rows is not None else None,
         )
-        out = schedule.tag(FusedVocabParallelCE.apply(x.h, x.classes.weight, x.classes.bias, x.classes.target,
-                                                      x.target_offset, cfg))
         return out.view(target.shape) if reduction == "none" else out
 
     # ---- prediction ----
@@ -341,7 +339,7 @@ class ParallelClassifierHead(ColumnParallelLinear):
             # Candidates arrive in ascending class id (rank order, ascending within a rank), so a
             # stable sort by value breaks ties towards the lower id.
             order = torch.sort(v, dim=1, descending=True, stable=True).indices[:, :k]
-            values.append(v.gather(1, order))
+            values.append(softcapped(v.gather(1, order), self.softcap))
             ids.append(i.gather(1, order))
         lead = tuple(h.shape[:-1])
         if not values:  # empty batch

@@ -14,7 +14,10 @@ the all-gather needs one.) The softmax statistics are fp32 whatever the matmul d
 
 With label smoothing ``eps`` over ``C`` classes, the loss of a token with target ``t`` is
 ``lse - (1 - eps) z_t - (eps / C) sum_j z_j`` and its logit gradient ``softmax - (1 - eps) onehot_t - eps / C``,
-exactly what ``F.cross_entropy(..., label_smoothing=eps)`` computes.
+exactly what ``F.cross_entropy(..., label_smoothing=eps)`` computes. With a softcap ``c`` every
+logit is ``c * tanh(z / c)`` and its gradient gains the factor ``1 - tanh(z / c)**2``; a z-loss
+``zl`` adds ``zl * lse**2`` per counted token and multiplies its softmax term by ``1 + 2 zl lse``
+(`bigdense.kernels.softmax_ce` has the formulas, and why the softmax is ``exp((z - M) - log S)``).
 
 Gradient strategy (``strategy=``):
 
@@ -25,7 +28,8 @@ Gradient strategy (``strategy=``):
   there; the backward only multiplies them by the scalar. Three matmuls in all, as for an unfused
   head, and one pass of the softmax.
 * ``"recompute"`` (always used for ``reduction="none"``, whose gradient is per token): the forward
-  keeps only ``lse`` (N floats); the backward recomputes each chunk's logits: four matmuls.
+  keeps only each token's largest logit and rescaled sum (2N floats, `ce_chunks.ChunkResults`);
+  the backward recomputes each chunk's logits: four matmuls.
 
 ``python -m bigdense.bench.head --contenders unsharded,bigdense,dtensor,bigdense-recompute`` measures
 both strategies (time and peak memory per rank); docs/performance.md records the figures.
@@ -49,10 +53,11 @@ from typing import Optional
 import torch
 
 from ...host_checks import checks_enabled
-from ...parallel import comm
-from ...parallel.autocast import no_autocast
+from ...parallel import comm, schedule
+from ...parallel.autocast import autocast_dtype, no_autocast
 from .sampling import SampleRows
 from . import ce_chunks, ce_gpu
+from .metrics import record
 from .ce_chunks import TokenInputs, auto_chunk_size, cast_operands  # noqa: F401 - auto_chunk_size: this module's interface
 from .ce_gpu import kernel_chunk_tokens, kernel_path
 
@@ -77,6 +82,8 @@ class CEConfig:
     sample: Optional[SampleRows] = None  # the classes are a sample padded to a static capacity
     # GPU path (`ce_gpu`): accumulate the weight gradient in fp32 whatever the weight's dtype.
     fp32_weight_grad: bool = False
+    softcap: float = 0.0  # the logits the loss sees are softcap * tanh(z / softcap) (0: z itself)
+    z_loss: float = 0.0  # coefficient of lse**2 added to each counted token's loss
 
     @property
     def smoothing_classes(self):
@@ -98,12 +105,18 @@ class RowBlocks:
     and this rank's are the first ``count`` rows of block ``rank`` (the rest, with checks off, are
     padding with ignored targets). The loss is then this rank's own (the mean over its own tokens),
     ``h``'s gradient that loss's, and the weight's gradient the DP average of every rank's loss
-    gradient -- what data-parallel averaging makes of a head split over TP only."""
+    gradient -- what data-parallel averaging makes of a head split over TP only.
+
+    ``factors`` (ranks,) or None: the factor each rank's caller will scale its loss by
+    (`metrics.loss_factor`: the engines' token weighting). The weight's gradient, formed in the
+    forward, then weighs each block by it, and the backward divides each rank's incoming gradient
+    by it again -- what remains is common to every rank, as that gradient needs."""
 
     group: Optional[comm.ProcessGroup]
     sizes: tuple[int, ...]
     rank: int
     count: int
+    factors: Optional[torch.Tensor] = None
 
     @property
     def own(self) -> slice:
@@ -130,17 +143,22 @@ class FusedVocabParallelCE(torch.autograd.Function):
     (N, D) over ``cfg.h_group``. backward collectives: ``"forward"``: none; ``"recompute"``: one
     all-reduce of ``grad_h``; with ``cfg.rows``, one all-gather of the incoming gradient over DP.
     With ``cfg.sum_grad_h`` off, ``grad_h`` is this rank's partial sum and no all-reduce runs.
-    Returns the loss (fp32): a scalar, or (N,) for ``reduction="none"``.
+    Returns the loss (fp32, the z-loss included): a scalar, or (N,) for ``reduction="none"``; and,
+    not differentiable, the call's counts over the tokens of the result, (3,) fp32 in the order of
+    `metrics.METRICS`: tokens counted, of them predicted right (the target's logit is the
+    largest), the sum of their z-loss terms.
     """
 
     @staticmethod
     def forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
         # The matmul dtype was decided by the caller (autocast's, if on); inside, every op is explicit.
         with no_autocast(h.device.type):
-            return _forward(ctx, h, weight, bias, target, target_offset, cfg)
+            loss, metrics = _forward(ctx, h, weight, bias, target, target_offset, cfg)
+        ctx.mark_non_differentiable(metrics)
+        return loss, metrics
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_metrics):
         with no_autocast(grad_out.device.type):
             return _backward(ctx, grad_out)
 
@@ -168,12 +186,10 @@ def _forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
     tokens = TokenInputs(t_local, in_shard, offset, real, token_weight, valid)
     wanted = (need_h, need_w, need_b) if grads_now else (False, False, False)
     loop = ce_gpu if kernel_path(h.device.type, cfg.compute_dtype) else ce_chunks
-    losses, lse_all, z_target_all, grads = loop.forward_chunks(hc_all, wc, bc, weight.dtype, tokens, wanted, cfg)
-    if not need_off:
-        z_target_all = None
-    grad_h, grad_w, grad_b = grads
+    out = loop.forward_chunks(hc_all, wc, bc, weight.dtype, tokens, wanted, cfg)
+    grad_h, grad_w, grad_b = out.grads
 
-    grad_offset = _target_offset_grad(z_target_all, lse_all, token_weight, cfg) if need_off else None
+    grad_offset = _target_offset_grad(out.z_target, (out.shift, out.total), token_weight, cfg) if need_off else None
     if grads_now:
         if grad_h is not None and n_tokens and cfg.sum_grad_h:
             comm.all_reduce_(grad_h, cfg.h_group)
@@ -181,33 +197,96 @@ def _forward(ctx, h, weight, bias, target, target_offset, cfg: CEConfig):
     else:
         ctx.grads = None
         ctx.save_for_backward(h, weight, bias, target, offset)
-        ctx.lse, ctx.t_local, ctx.in_shard, ctx.token_weight = lse_all, t_local, in_shard, token_weight
-        ctx.z_target = z_target_all
+        ctx.softmax, ctx.t_local, ctx.in_shard, ctx.token_weight = (out.shift, out.total), t_local, in_shard, token_weight
+        ctx.z_target = out.z_target if need_off else None
     ctx.cfg = cfg
     ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype,
                   None if target_offset is None else target_offset.dtype)
 
+    z_terms = torch.where(valid, cfg.z_loss * out.lse.square(), 0.0) if cfg.z_loss else None
+    losses = out.losses if z_terms is None else out.losses + z_terms
     losses = losses.masked_fill(bad, float("nan"))
-    if cfg.rows is not None:
-        losses = losses[cfg.rows.own]
+    own = slice(None) if cfg.rows is None else cfg.rows.own
+    metrics = torch.stack([valid[own].sum().float(), out.correct[own].sum().float(),
+                           z_terms[own].sum() if z_terms is not None else losses.new_zeros(())])
+    losses = losses[own]
     if cfg.reduction == "none":
-        return losses
+        return losses, metrics
     total = losses.sum()
-    return total / count if cfg.reduction == "mean" else total
+    return (total / count if cfg.reduction == "mean" else total), metrics
 
 
-def loss_chunk_tokens(max_local_classes: int, device_type: str, compute_dtype: torch.dtype, group_size: int) -> int:
-    """Tokens per chunk of the fused loss, by the path that will run it (every rank the same)."""
+REDUCTIONS = ("mean", "sum", "none")
+STRATEGIES = ("forward", "recompute")
+
+
+def check_logit_options(prefix: str, softcap=None, z_loss=None) -> tuple[float, float]:
+    """``(softcap, z_loss)`` as floats (None: 0, off), each a finite number >= 0, else a ValueError
+    naming the option after ``prefix`` (a layer's ``"Name(...): "``, or a config group's ``"model."``)."""
+    out = []
+    for name, value in (("softcap", softcap), ("z_loss", z_loss)):
+        value = 0.0 if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) < float("inf"):
+            raise ValueError(f"{prefix}{name} must be a finite number >= 0 (0 or None: off), got {value!r}")
+        out.append(float(value))
+    return out[0], out[1]
+
+
+def fused_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor, *,
+                        group, num_classes: int, class_start: int, largest_shard: int, where: str,
+                        label_smoothing: float = 0.0, ignore_index: int = -100, reduction: str = "mean",
+                        softcap: float = 0.0, z_loss: float = 0.0, chunk_size: Optional[int] = None,
+                        strategy: str = "forward", sum_grad_h: bool = True, fp32_weight_grad: bool = False,
+                        target_offset: Optional[torch.Tensor] = None, rows: Optional["RowBlocks"] = None,
+                        sample: Optional[SampleRows] = None, grad_group=None) -> torch.Tensor:
+    """``F.cross_entropy(cap(h W^T + b), target, ...)`` (+ the z-loss) with the classes split over
+    ``group``: this rank's ``weight`` (C_local, D) and ``bias`` hold classes ``[class_start,
+    class_start + C_local)`` of ``num_classes``; ``h`` (N, D) and ``target`` (N,) the same on every
+    rank of ``group``; ``largest_shard`` the most classes any rank holds (every rank cuts the tokens
+    at the same places). Checks the options (errors name ``where``: the layer), builds the call's
+    `CEConfig`, runs `FusedVocabParallelCE` and hands its counts to `metrics.record`. The matmuls
+    run in autocast's dtype when it is on."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{where}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"{where}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    softcap, z_loss = check_logit_options(f"{where}: ", softcap, z_loss)
+    device_type = h.device.type
+    compute_dtype = autocast_dtype(device_type, h.dtype)
+    cfg = CEConfig(
+        group=group, num_classes=num_classes, class_start=class_start, label_smoothing=float(label_smoothing),
+        ignore_index=int(ignore_index), reduction=reduction,
+        chunk_size=chunk_size or loss_chunk_tokens(largest_shard, device_type, compute_dtype, comm.group_size(group),
+                                                   softcap=bool(softcap)),
+        strategy="recompute" if reduction == "none" else strategy, compute_dtype=compute_dtype,
+        # Decided here: inside the autograd function grad mode is always off and needs_input_grad
+        # says True even under no_grad, so evaluation would form gradients.
+        grad_wanted=torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (h, weight, bias, target_offset)),
+        sum_grad_h=sum_grad_h, grad_group=grad_group, rows=rows, sample=sample,
+        fp32_weight_grad=fp32_weight_grad, softcap=softcap, z_loss=z_loss,
+    )
+    loss, metrics = schedule.tag(FusedVocabParallelCE.apply(h, weight, bias, target, target_offset, cfg))
+    record(metrics)
+    return loss
+
+
+def loss_chunk_tokens(max_local_classes: int, device_type: str, compute_dtype: torch.dtype, group_size: int,
+                      softcap: bool = False) -> int:
+    """Tokens per chunk of the fused loss, by the path that will run it (every rank the same). With a
+    softcap the CPU loop keeps a second fp32 buffer per chunk (tanh, for the gradient): half the tokens."""
     if kernel_path(device_type, compute_dtype):
         return kernel_chunk_tokens(max_local_classes, compute_dtype.itemsize, group_size)
-    return auto_chunk_size(max_local_classes, device_type)
+    return auto_chunk_size(max_local_classes * (2 if softcap else 1), device_type)
 
 
-def _target_offset_grad(z_target, lse, token_weight, cfg: CEConfig) -> torch.Tensor:
-    """d loss / d target_offset per token: the target's softmax minus its label weight, times the
-    token's weight (the same on every rank: it needs only the combined statistics)."""
+def _target_offset_grad(z_target, softmax, token_weight, cfg: CEConfig) -> torch.Tensor:
+    """d loss / d target_offset per token: the target's softmax (times ``1 + 2 zl lse`` with a
+    z-loss) minus its label weight, times the token's weight (the same on every rank: it needs only
+    the combined statistics, ``softmax = (M, S)``)."""
     eps = cfg.label_smoothing
-    grad = token_weight * (torch.exp(z_target - lse) - (1.0 - eps) - eps / cfg.smoothing_classes)
+    softmax = ce_chunks.softmax_scale(z_target, *softmax, cfg.z_loss)
+    grad = token_weight * (softmax - (1.0 - eps) - eps / cfg.smoothing_classes)
     # A token that does not count has no gradient, also where its softmax is undefined (a sample of
     # no class: lse = -inf); a bad label's NaN weight (checks off) still poisons the step, as documented.
     return torch.where(token_weight != 0, grad, 0.0)
@@ -223,6 +302,8 @@ def _token_weights(valid: torch.Tensor, cfg: CEConfig) -> tuple[torch.Tensor, to
     block = cfg.rows.block_of_rows(valid.device)
     counts = torch.zeros(len(cfg.rows.sizes), device=valid.device).index_add_(0, block, valid.float()).clamp(min=1)
     weight = valid.float() / counts[block] if cfg.reduction == "mean" else valid.float()
+    if cfg.rows.factors is not None:
+        weight = weight * cfg.rows.factors[block]
     return weight, counts[cfg.rows.rank]
 
 
@@ -240,7 +321,9 @@ def _incoming_per_token(ctx, grad_out) -> torch.Tensor:
     if not scalar and rows.count < rows.sizes[rows.rank]:  # padding rows: no gradient
         g = torch.cat([g, g.new_zeros(rows.sizes[rows.rank] - rows.count)])
     every = comm.all_gather_dim(g.contiguous(), 0, rows.group, sizes)
-    return every[rows.block_of_rows(g.device)] if scalar else every
+    every = every[rows.block_of_rows(g.device)] if scalar else every
+    # The forward weighed each block by its rank's loss factor already (`RowBlocks`).
+    return every if rows.factors is None else every / rows.factors[rows.block_of_rows(g.device)]
 
 
 def _backward(ctx, grad_out):
@@ -298,7 +381,7 @@ def _recompute_backward(ctx, grad_out):
     real = None if cfg.sample is None else cfg.sample.real
     tokens = TokenInputs(ctx.t_local, ctx.in_shard, offset, real, token_weight, None)
     loop = ce_gpu if kernel_path(h.device.type, cfg.compute_dtype) else ce_chunks
-    grad_h, grad_w, grad_b = loop.recompute_chunks(hc_all, wc, bc, weight.dtype, tokens, ctx.lse,
+    grad_h, grad_w, grad_b = loop.recompute_chunks(hc_all, wc, bc, weight.dtype, tokens, *ctx.softmax,
                                                    (need_h, need_w, need_b), cfg)
     if grad_h is not None and n_tokens and cfg.sum_grad_h:
         comm.all_reduce_(grad_h, cfg.h_group)
@@ -308,7 +391,7 @@ def _recompute_backward(ctx, grad_out):
                 g.div_(len(cfg.rows.sizes))
     grad_off = None
     if need_off and offset is not None:
-        grad_off = _target_offset_grad(ctx.z_target, ctx.lse, token_weight, cfg)
+        grad_off = _target_offset_grad(ctx.z_target, ctx.softmax, token_weight, cfg)
     grads = _cast_grads((grad_h, grad_w, grad_b, grad_off), ctx.dtypes)
     return grads[0], grads[1], grads[2], None, grads[3], None
 

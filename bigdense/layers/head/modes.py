@@ -17,6 +17,7 @@ from ...parallel.regions import gather_batch_from_dp
 from .margin import target_offset, unit_rows
 from .sampling import ScoredClasses, draw_sample_seed, sample_classes
 from .fused_ce import RowBlocks
+from .metrics import current_loss_factor
 
 SHARD_MODES = ("tp", "world")
 
@@ -88,7 +89,7 @@ class DPBlocks:
 def gather_from_dp(head, target: torch.Tensor, ignore_index: int, h: Optional[torch.Tensor] = None):
     """Every DP rank's targets (and tokens ``h``, whose gradient is reduce-scattered back), in rank
     order, and the `RowBlocks` that say which rows are this rank's (with checks off, rows of
-    padding hold ``ignore_index``)."""
+    padding hold ``ignore_index``) and, under a `metrics.loss_factor`, every rank's factor."""
     groups, n = head.groups, target.shape[0]
     sizes = head._dp_blocks.sizes(n, groups.dp, target.device, head._where())
     rank = comm.group_rank(groups.dp)
@@ -98,7 +99,10 @@ def gather_from_dp(head, target: torch.Tensor, ignore_index: int, h: Optional[to
         h = None if h is None else torch.cat([h, h.new_zeros(pad, h.shape[1])])
     target = comm.all_gather_dim(target, 0, groups.dp, sizes)
     h = None if h is None else gather_batch_from_dp(h, groups.dp, sizes)
-    return h, target, RowBlocks(groups.dp, sizes, rank, n)
+    factor = current_loss_factor()  # every rank's, when the caller weighs the ranks' losses (token weighting)
+    factors = None if factor is None or h is None else comm.all_gather_dim(
+        factor.detach().float().reshape(1).to(target.device), 0, groups.dp, [1] * len(sizes))
+    return h, target, RowBlocks(groups.dp, sizes, rank, n, factors)
 
 
 @dataclass

@@ -5,14 +5,22 @@
     result = engine.train_step([(x, y), ...])   # grad_accum micro-batches -> one optimizer step
     val = engine.eval_loss(x, y)
 
-The model's forward is ``loss = model(x, y)``, the mean loss of the micro-batch (a scalar).
-Micro-batch ``i`` on DP rank ``d`` is read as rows ``[d * B, (d + 1) * B)`` of a global micro-batch
-of ``dp_size * B`` rows (`batch_slice`), so dropout masks do not depend on the DP size: a tp=2 x dp=2
-run draws the masks a single process draws on the concatenated batch.
+The model's forward is ``loss = model(x, y)``, the mean loss of the micro-batch's counted targets
+(a scalar): those of ``y`` that are not `IGNORE_INDEX` (-100). Micro-batch ``i`` on DP rank ``d`` is
+read as rows ``[d * B, (d + 1) * B)`` of a global micro-batch of ``dp_size * B`` rows
+(`batch_slice`), so dropout masks do not depend on the DP size: a tp=2 x dp=2 run draws the masks a
+single process draws on the concatenated batch.
 
-Every engine averages the loss over the micro-batches and then over DP for reporting, and skip a
-step whose gradients hold an inf or nan on any rank on every rank (weights, optimizer state and LR
-schedule untouched), reporting ``skipped=True``.
+The loss of a step is weighted by tokens, as Hugging Face's Trainer weighs it with
+``num_items_in_batch``: the sum over every counted target of the step -- all its micro-batches, all
+DP ranks -- divided by their number (`TokenWeights`). A micro-batch with fewer counted targets (a
+masked prompt, padding) then weighs less, and the step equals one batch holding all its tokens
+however they are masked and split; with none ignored every micro-batch weighs the same, as a plain
+mean of means. The counts are read from ``y`` on the device (one all-reduce of a scalar over DP),
+with no host synchronisation.
+
+Every engine skips a step whose gradients hold an inf or nan on any rank on every rank (weights,
+optimizer state and LR schedule untouched), reporting ``skipped=True``.
 """
 from __future__ import annotations
 
@@ -32,31 +40,71 @@ from ..cuda_graphs import check_cuda_graphs
 from ..schedule import check_schedule
 
 
+IGNORE_INDEX = -100  # a target of ``y`` that no loss counts (a masked prompt, padding)
+
+
 class StepResult:
     """What one optimizer step reports, the same on every rank.
 
-    ``loss`` (mean over the step's micro-batches and over DP), ``grad_norm`` (global, before
-    clipping; inf/nan when the step was skipped for it), ``skipped`` (no update happened: overflow
-    or non-finite gradients on some rank), ``lr`` (the learning rate this step used, or would have
-    used) and ``loss_scale`` (fp16's scale this step; 1.0 for fp32/bf16) are Python numbers.
-    The DDP engine hands them over as 0-dim device tensors, in ``raw``: reading an attribute waits
-    for the step to finish on the device, so a training loop sums ``raw`` values on the device and
-    reads once per log interval.
+    ``loss`` (the step's token-weighted mean loss over its micro-batches and DP ranks),
+    ``grad_norm`` (global, before clipping; inf/nan when the step was skipped for it), ``skipped``
+    (no update happened: overflow or non-finite gradients on some rank), ``lr`` (the learning rate
+    this step used, or would have used), ``loss_scale`` (fp16's scale this step; 1.0 for
+    fp32/bf16), ``tokens`` (the step's counted targets over every DP rank), ``accuracy`` (the share
+    of the tokens the fused losses counted whose target is the largest logit) and ``z_loss`` (their
+    mean z-loss term) are Python numbers; ``accuracy`` and ``z_loss`` are nan when the model has no
+    fused loss (`bigdense.layers.head.metrics`). The DDP engine hands them over as 0-dim device
+    tensors, in ``raw``: reading an attribute waits for the step to finish on the device, so a
+    training loop sums ``raw`` values on the device and reads once per log interval.
     """
 
-    FIELDS = ("loss", "grad_norm", "skipped", "lr", "loss_scale")
+    FIELDS = ("loss", "grad_norm", "skipped", "lr", "loss_scale", "tokens", "accuracy", "z_loss")
 
-    def __init__(self, loss, grad_norm, skipped, lr, loss_scale):
-        self.raw = dict(loss=loss, grad_norm=grad_norm, skipped=skipped, lr=lr, loss_scale=loss_scale)
+    def __init__(self, loss, grad_norm, skipped, lr, loss_scale, tokens=None, accuracy=None, z_loss=None):
+        self.raw = dict(loss=loss, grad_norm=grad_norm, skipped=skipped, lr=lr, loss_scale=loss_scale,
+                        tokens=_nan_if_none(tokens), accuracy=_nan_if_none(accuracy), z_loss=_nan_if_none(z_loss))
 
     loss = property(lambda self: float(self.raw["loss"]))
     grad_norm = property(lambda self: float(self.raw["grad_norm"]))
     skipped = property(lambda self: bool(self.raw["skipped"]))
     lr = property(lambda self: float(self.raw["lr"]))
     loss_scale = property(lambda self: float(self.raw["loss_scale"]))
+    tokens = property(lambda self: float(self.raw["tokens"]))
+    accuracy = property(lambda self: float(self.raw["accuracy"]))
+    z_loss = property(lambda self: float(self.raw["z_loss"]))
 
     def __repr__(self) -> str:
         return "StepResult(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.FIELDS) + ")"
+
+
+def _nan_if_none(value):
+    """A field nobody measured: nan, as a tensor like the others may be (a recorded CUDA graph step
+    copies every field into the tensors it recorded)."""
+    return torch.tensor(float("nan")) if value is None else value
+
+
+class TokenWeights:
+    """The token weighting of one step (see the module docstring): ``factors[i]`` multiplies
+    micro-batch ``i``'s mean loss before it is divided by the number of micro-batches ``n``;
+    ``tokens`` is the step's count over every DP rank (a device scalar).
+
+    ``factor_i = c_i * n * dp / total``, with ``c_i`` micro-batch ``i``'s counted targets on this
+    rank and ``total`` their sum over the micro-batches and the DP group; DP averaging (divide by
+    dp) and the division by ``n`` then leave ``sum_i mean_i * c_i / total``. Integer counts make the
+    factor exactly 1.0 when every micro-batch counts the same targets, so such a step is bit for bit
+    the plain mean of means. A micro-batch that counts none keeps the factor 1.0: its loss and
+    gradients are 0 whatever it is scaled by, and a head that divides a rank's incoming gradient by
+    its factor (`bigdense.layers.head.metrics.loss_factor`) must not divide by 0."""
+
+    def __init__(self, micro_batches, dp_group):
+        counts = torch.stack([(y != IGNORE_INDEX).sum() for _, y in micro_batches])
+        total = counts.sum()
+        if comm.group_size(dp_group) > 1:
+            total = comm.all_reduce_(total, dp_group)
+        n, dp = len(micro_batches), comm.group_size(dp_group)
+        self.tokens = total.float()
+        factors = (counts * (n * dp)).double().div(total.clamp(min=1).double()).float()
+        self.factors = torch.where(counts == 0, 1.0, factors)
 
 
 @dataclass(frozen=True)
@@ -212,6 +260,17 @@ class Engine:
                 f"the model's forward must return the mean loss as a scalar (loss = model(x, y)), got {what}"
             )
         return loss
+
+    def _report(self, loss_sum: torch.Tensor, n: int, weights: TokenWeights, seen) -> dict:
+        """The step's reported ``loss``, ``tokens``, ``accuracy`` and ``z_loss`` (device scalars)
+        from this rank's weighted ``loss_sum`` over ``n`` micro-batches and the collected counts of
+        its fused losses (``seen``, `collect_loss_metrics`'s): one all-reduce over DP."""
+        counted = seen.totals if seen.totals is not None else loss_sum.new_zeros(3)
+        sums = torch.cat([(loss_sum / n).reshape(1), counted.float()])
+        if self.ctx.dp_size > 1:
+            sums = comm.all_reduce_(sums, self.ctx.dp_group)
+        return dict(loss=sums[0] / self.ctx.dp_size, tokens=weights.tokens, accuracy=sums[2] / sums[1],
+                    z_loss=sums[3] / sums[1])
 
     def _dp_mean_tensor(self, value: torch.Tensor) -> torch.Tensor:
         if self.ctx.dp_size > 1:

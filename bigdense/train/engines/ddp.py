@@ -8,6 +8,7 @@ import torch
 
 import torch.distributed as dist
 
+from ...layers.head.metrics import collect_loss_metrics, loss_factor
 from ...layers.base import named_shard_specs
 from ...compression.prune_masks import MaskKeeper
 from ...parallel import comm
@@ -17,7 +18,7 @@ from ..clip import clip_grad_norm_, grad_norm
 from ..cuda_graphs import StepGraph
 from ..precision import Precision
 from ..schedule import build_lr_schedule
-from .base import Engine, EngineSettings, StepResult, mesh_group, param_groups
+from .base import Engine, EngineSettings, StepResult, TokenWeights, mesh_group, param_groups
 
 
 def _no_buffer_sync(ddp_cls) -> dict:
@@ -38,11 +39,13 @@ class DDPEngine(Engine):
     so gradients are all-reduced once per step. Under sequence parallelism the layers leave the
     partial gradients of their replicated parameters (norms, row biases) for the engine, which
     sums them over TP in one all-reduce after the last backward (`parallel.partial_grads`).
-    Then, in order: fp16 unscale (foreach, a local
+    Each micro-batch's loss is weighted by its counted targets (`TokenWeights`: one all-reduce of
+    the step's count over DP before the first forward). Then, in order: fp16 unscale (foreach, a local
     found-inf flag), `clip_grad_norm_` with ``optim.grad_clip`` (foreach, one TP all-reduce), one
     world all-reduce agreeing on skipping, the fused AdamW step and the LR schedule (both held on
     the device when skipped), the pruned weights of masked layers re-zeroed (`bd.apply_masks`),
-    the loss-scale update, and one DP all-reduce of the loss for reporting. Parameters stay fp32
+    the loss-scale update, and one DP all-reduce of the loss and the fused losses' counts for
+    reporting. Parameters stay fp32
     and the forward runs under autocast.
 
     Nothing in ``train_step`` reads the device on the host: the skip decision reaches the optimizer
@@ -141,13 +144,15 @@ class DDPEngine(Engine):
             opt.zero_grad(set_to_none=True)
         n = len(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        with deferred_partial_grad_sums() if self._partial else contextlib.nullcontext():
+        weights = TokenWeights(micro_batches, self.ctx.dp_group)
+        with deferred_partial_grad_sums() if self._partial else contextlib.nullcontext(), \
+                collect_loss_metrics() as seen:
             for i, (x, y) in enumerate(micro_batches):
                 with self._gradient_sync(last=i == n - 1):
-                    with self._batch_slice(), self.precision.autocast():
+                    with self._batch_slice(), self.precision.autocast(), loss_factor(weights.factors[i]):
                         loss = self._check_loss(self.wrapped(x, y))
-                    loss_sum += loss.detach().float()
-                    scaled = loss.float() / n
+                    loss_sum += loss.detach().float() * weights.factors[i]
+                    scaled = loss.float() / n * weights.factors[i]
                     if self.scaler is not None:
                         scaled = self.scaler.scale(scaled)
                     scaled.backward()
@@ -171,7 +176,8 @@ class DDPEngine(Engine):
         self._applied += (skip == 0).long()
         if self.scaler is not None:
             self.scaler.update(skip)
-        return StepResult(self._dp_mean_tensor(loss_sum / n), norm, skip > 0, lr, loss_scale)
+        report = self._report(loss_sum, n, weights, seen)
+        return StepResult(report.pop("loss"), norm, skip > 0, lr, loss_scale, **report)
 
     def _set_lrs(self) -> torch.Tensor:
         """Each group's LR for this step, computed on the device from the applied-step counter;

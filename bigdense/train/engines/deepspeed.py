@@ -11,12 +11,13 @@ import torch
 
 from ...errors import ConfigError, check_choice
 from ...checkpoint.split import OptimizerPair
+from ...layers.head.metrics import collect_loss_metrics, loss_factor
 from ...parallel.sharding import is_world_sharded
 from ..clip import clip_grad_norm_, grad_norm
 from ..precision import any_rank
 from ..schedule import build_lr_schedule
 from . import ds_compat
-from .base import Engine, EngineSettings, StepResult, mesh_group, param_groups
+from .base import Engine, EngineSettings, StepResult, TokenWeights, mesh_group, param_groups
 from .world_sharded import WorldShardedAdamW, split_world_sharded
 
 _INPUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -166,14 +167,17 @@ class DSEngine(Engine):
         n = len(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         loss_scale, lr, norm = self._loss_scale(), float(self.ds.get_lr()[0]), None
-        for i, (x, y) in enumerate(micro_batches):
-            with self._batch_slice():
-                loss = self._check_loss(self.ds(x, y))
-            loss_sum += loss.detach().float()
-            self.ds.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
-            if i == n - 1:  # boundary: DeepSpeed has all-reduced its gradients over DP in backward()
-                norm = self._boundary(loss_scale)
-            self.ds.step()
+        weights = TokenWeights(micro_batches, self.ctx.dp_group)
+        with collect_loss_metrics() as seen:
+            for i, (x, y) in enumerate(micro_batches):
+                with self._batch_slice(), loss_factor(weights.factors[i]):
+                    loss = self._check_loss(self.ds(x, y))
+                loss_sum += loss.detach().float() * weights.factors[i]
+                # DeepSpeed divides by gradient_accumulation_steps and averages over DP.
+                self.ds.backward(loss * weights.factors[i].to(loss.dtype))
+                if i == n - 1:  # boundary: DeepSpeed has all-reduced its gradients over DP in backward()
+                    norm = self._boundary(loss_scale)
+                self.ds.step()
         skipped = not self.ds.was_step_applied()
         if self.world is not None and not skipped:
             # (at stage 0 bigdense clipped them with the others; fp16's are still loss-scaled)
@@ -183,7 +187,8 @@ class DSEngine(Engine):
         if norm is None:
             reported = self.ds.get_global_grad_norm()
             norm = float(reported) if reported is not None else float("nan")
-        return StepResult(self._dp_mean(loss_sum / n), norm, bool(skipped), lr, loss_scale)
+        report = {k: float(v) for k, v in self._report(loss_sum, n, weights, seen).items()}
+        return StepResult(report.pop("loss"), norm, bool(skipped), lr, loss_scale, **report)
 
     def _boundary(self, loss_scale: float):
         """Before DeepSpeed's step: bigdense's clipping where it clips (returns the norm), else the
