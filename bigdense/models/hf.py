@@ -68,19 +68,19 @@ class CausalLM(nn.Module):
         `bigdense.train.engines.fsdp.apply_fsdp`); either list is empty where the model has none."""
         decoder = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else None
         inputs = [self.lm.get_input_embeddings()] if hasattr(self.lm, "get_input_embeddings") else []
-        head = self.lm.get_output_embeddings() if hasattr(self.lm, "get_output_embeddings") else None
+        head = self._output_head()
         outputs = [m for m in (getattr(decoder, "norm", None), head) if isinstance(m, nn.Module)]
         return [m for m in inputs if isinstance(m, nn.Module)], outputs
 
     def num_parameters(self) -> dict[str, int]:
         """Global parameter counts (unsharded): total, and of the output head (a tied head shares
         the embedding's)."""
-        head = self.lm.get_output_embeddings() if hasattr(self.lm, "get_output_embeddings") else None
+        head = self._output_head()
         return {"total": global_numel(self), "head": global_numel(head) if head is not None else 0}
 
     def depth_and_width(self) -> tuple[int, int]:
         """``(decoder layers, hidden size)``, for the FLOPs of a token (`bigdense.train.flops`)."""
-        config = self.lm.config.get_text_config() if hasattr(self.lm.config, "get_text_config") else self.lm.config
+        config = self.text_config()
         return config.num_hidden_layers, config.hidden_size
 
     def freeze_embeddings(self) -> list[str]:
@@ -113,7 +113,7 @@ class CausalLM(nn.Module):
     def _decide(self) -> LossPath:
         if not self.fused_loss:
             return LossPath(False, reason="fused_loss=False")
-        head = self.lm.get_output_embeddings() if hasattr(self.lm, "get_output_embeddings") else None
+        head = self._output_head()
         if not isinstance(head, nn.Module):
             return LossPath(False, reason="the model has no output head (get_output_embeddings)")
         try:
@@ -134,7 +134,7 @@ class CausalLM(nn.Module):
 
     def _probe(self, shard: hf_loss.HeadShard) -> LossPath:
         """`hf_loss.find_transform` and `hf_loss.prove` on a probe batch, in eval mode."""
-        vocab_in = getattr(self._text_config(), "vocab_size", None) or shard.num_classes
+        vocab_in = getattr(self.text_config(), "vocab_size", None) or shard.num_classes
         was_training = self.lm.training
         device = shard.weight.device
         try:
@@ -150,9 +150,14 @@ class CausalLM(nn.Module):
             self.lm.train(was_training)
         return LossPath(False, transform, wrong) if wrong else LossPath(True, transform)
 
-    def _text_config(self):
+    def text_config(self):
+        """The language model's config (a multimodal model's text part)."""
         config = self.lm.config
         return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    def _output_head(self) -> Optional[nn.Module]:
+        """The output head (``get_output_embeddings``), None where the model has none."""
+        return self.lm.get_output_embeddings() if hasattr(self.lm, "get_output_embeddings") else None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The model's own logits (gathered over TP), for prediction and generation."""

@@ -465,7 +465,7 @@ def _softcapped(model: CausalLM) -> bool:
     """Whether ``model``'s logits are softcapped: by the transform its loss path found, or (a path
     not decided, or decided unproved on the meta device) by its config's ``final_logit_softcapping``."""
     found = model.loss_path.transform.softcap if model.loss_path is not None else 0.0
-    config = model.lm.config.get_text_config() if hasattr(model.lm.config, "get_text_config") else model.lm.config
+    config = model.text_config()
     return bool(found or getattr(config, "final_logit_softcapping", None))
 
 
