@@ -21,6 +21,7 @@ from tqdm import tqdm
 import bigdense as bd
 from bigdense.config import register_configs
 from bigdense.data import FileWindows, prepare_data
+from bigdense.errors import ConfigError
 from bigdense.jobs import build_text_classifier, parallelize_model, start_run
 from bigdense.jobs.loop import StepLoop
 from bigdense.jobs.run import launch, run_job
@@ -63,6 +64,9 @@ def train(cfg) -> None:
     ctx, tr = run.ctx, cfg.trainer
 
     # 2. Data: the GPT job's tokenized corpus (cached), each training file a class.
+    if cfg.data.source == "records":
+        raise ConfigError("launch/classify.py learns which file a window of text comes from (data=stdlib or data=files); "
+                          "data=records fine-tunes a causal LM with launch/train.py")
     data = prepare_data(cfg.data, ctx, seed=tr.seed)
     task = FileWindows.from_tokens(data.train_tokens, data.tokenizer.eot_id, seq_len=cfg.data.seq_len,
                                    micro_batch_size=cfg.data.micro_batch_size, seed=tr.seed)

@@ -109,9 +109,13 @@ def train(cfg) -> None:
                             "gives NaN: rerun with BIGDENSE_CHECKS=1 to have it named.", summary["skipped_steps"],
                             steps, summary["grad_norm"], summary["loss_scale"])
             tokens_per_s_device = tokens_per_step / step_time / ctx.world_size
+            # Records mask prompts and padding: the same counts over the tokens that are targets.
+            targets_per_s_device = summary["target_tokens"] / (steps * step_time) / ctx.world_size
             record = {
                 "kind": "train", "step": step.number, **summary, "tokens_per_s": tokens_per_step / step_time,
                 "tokens_per_s_per_device": tokens_per_s_device, "mfu": mfu(tokens_per_s_device, flops_token, peak),
+                "target_tokens_per_s": targets_per_s_device * ctx.world_size,
+                "target_mfu": mfu(targets_per_s_device, flops_token, peak),
                 "step_time_s": step_time, "peak_mem_gb": peak_memory_gb(ctx.device),
             }
             if stats is not None:
@@ -121,11 +125,13 @@ def train(cfg) -> None:
                 metrics.write_histograms(histograms.collect(), step.number)
             if ctx.is_main:
                 util = f" | MFU {record['mfu']:.1%}" if record["mfu"] is not None else ""
+                if record["target_tokens_per_s"] < 0.999 * record["tokens_per_s"]:  # some tokens are masked
+                    util += f" | {record['target_tokens_per_s']:,.0f} target tok/s"
                 bar.write(f"step {step.number:5d} | loss {record['loss']:.4f} | grad norm {record['grad_norm']:.3f} | "
                           f"lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s | "
                           f"{step_time * 1e3:.0f} ms/step{util} | peak mem {record['peak_mem_gb']:.2f} GB")
         if step.eval:
-            eval_loss = held_out_loss(engine.eval_loss, data, ctx, tr.eval_batches)
+            eval_loss = held_out_loss(engine.eval_loss_and_tokens, data, ctx, tr.eval_batches)
             metrics.write({"kind": "eval", "step": step.number, "eval_loss": eval_loss})
             if ctx.is_main:
                 bar.write(f"step {step.number:5d} | held-out loss {eval_loss:.4f}")
@@ -138,7 +144,7 @@ def train(cfg) -> None:
     #    to train adds none of them).
     loop.finish()
     if loop.trained:
-        eval_loss = held_out_loss(engine.eval_loss, data, ctx, tr.eval_batches)
+        eval_loss = held_out_loss(engine.eval_loss_and_tokens, data, ctx, tr.eval_batches)
         metrics.write({"kind": "eval", "step": tr.max_steps, "eval_loss": eval_loss})
         log.info("held-out loss %.4f (perplexity %.1f) after %d steps", eval_loss, math.exp(min(eval_loss, 50)),
                  tr.max_steps)

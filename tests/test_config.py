@@ -39,7 +39,7 @@ def test_the_defaults_validate():
 ])
 def test_each_option_accepts_its_owners_choices_and_refuses_others(key, choices):
     for choice in choices:
-        if key == "data.source" and choice == "files":
+        if key == "data.source" and choice in ("files", "records"):
             continue  # needs data.path: a combination, checked below
         if key == "engine.kind" and choice == "deepspeed":
             continue  # DeepSpeed's own rules are checked below
@@ -59,6 +59,7 @@ def test_each_option_accepts_its_owners_choices_and_refuses_others(key, choices)
     ({"engine.kind": "deepspeed", "precision.dtype": "fp16"}, "precision=fp16 with engine=deepspeed needs a GPU"),
     ({"engine.bucket_cap_mb": 0.0}, "engine.bucket_cap_mb must be > 0"),
     ({"data.source": "files"}, "data.source=files needs data.path"),
+    ({"data.source": "records"}, "data.source=records needs data.path"),
     ({"data.micro_batch_size": 0}, "data.micro_batch_size must be"),
     ({"data.grad_accum": 0}, "data.grad_accum must be a positive integer"),
     ({"trainer.max_steps": 0}, "trainer.max_steps must be a positive integer"),

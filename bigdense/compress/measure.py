@@ -78,14 +78,18 @@ def held_out_loss(model, cfg, ctx, n_batches: int, run_dp: Optional[int] = None)
     the order of the sums."""
     from ..data import prepare_data
     from ..jobs.evaluate import held_out_loss as run_held_out_loss
+    from ..train.engines.base import TokenWeights
     from ..train.precision import autocast
 
-    def eval_loss(x, y) -> float:  # as `Engine.eval_loss`, on the model without an engine
+    def eval_loss(x, y) -> tuple[float, int]:  # as `Engine.eval_loss_and_tokens`, on the model without an engine
+        y = y.to(ctx.device)
         with torch.no_grad(), autocast(cfg.precision.dtype, ctx.device):
-            loss = model(x.to(ctx.device), y.to(ctx.device)).detach().float()
+            loss = model(x.to(ctx.device), y).detach().float()
+        weights = TokenWeights([(x, y)], ctx.dp_group)
+        loss = loss * weights.factors[0]
         if ctx.dp_size > 1:
             loss = comm.all_reduce_(loss, ctx.dp_group) / ctx.dp_size
-        return float(loss)
+        return float(loss), int(weights.tokens.item())
 
     data = prepare_data(cfg.data, ctx, seed=cfg.trainer.seed)
     model.eval()

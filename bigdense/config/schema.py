@@ -118,8 +118,8 @@ class OptimConfig:
 class DataConfig:
     """Text for the language model. ``source=stdlib`` reads this Python's own standard library."""
 
-    source: str = "stdlib"  # "stdlib" or "files"
-    path: Optional[str] = None  # source=files: a directory (or file) of UTF-8 text
+    source: str = "stdlib"  # "stdlib", "files" or "records"
+    path: Optional[str] = None  # source=files: a directory (or file) of UTF-8 text; records: a file, directory or glob
     pattern: str = "**/*.py"  # files under the source directory that are read
     max_corpus_mb: float = 24.0  # read at most this much text (sorted file order)
     vocab_size: int = 32768  # byte-level BPE trained locally, cached
@@ -129,6 +129,17 @@ class DataConfig:
     # Share of files held out for evaluation, in (0, 1); of a single file's text, its tail (docs/training.md)
     val_fraction: float = 0.02
     cache_dir: Optional[str] = None  # None: $BIGDENSE_CACHE or ~/.cache/bigdense
+    # source=records (docs/training.md, "Records"): JSON Lines, Parquet, CSV, Arrow or a saved dataset.
+    # The record shape is recognised from the fields, or named by one of these keys.
+    text_field: Optional[str] = None  # every token a target
+    prompt_field: Optional[str] = None  # with completion_field: the prompt masked from the loss
+    completion_field: Optional[str] = None
+    messages_field: Optional[str] = None  # chats, rendered with the model's chat template
+    train_on_prompt: bool = False  # every token a target (prompts and non-assistant turns too)
+    pack: bool = True  # examples joined into full rows; false: one example per row, padded
+    skip_bad_records: bool = False  # skip (and count) records that cannot be read, instead of stopping
+    val_split: Optional[str] = None  # a saved DatasetDict's held-out split (default: validation, else test)
+    val_path: Optional[str] = None  # held-out record files (default: data.val_fraction of the records)
 
 
 @dataclass

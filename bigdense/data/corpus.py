@@ -43,7 +43,8 @@ class Corpus:
     skipped: list[str] = field(default_factory=list)  # rel paths that are not UTF-8
 
 
-SOURCES = ("stdlib", "files")  # data.source: this Python's standard library, or data.path
+RECORDS = "records"  # records to fine-tune on (`bigdense.data.records`), read by their own module
+SOURCES = ("stdlib", "files", RECORDS)  # data.source: this Python's standard library, data.path's text, records
 
 
 def source_root(source: str, path: str | None) -> Path:

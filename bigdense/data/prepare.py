@@ -7,16 +7,19 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, check_positive
+from ..errors import ConfigError, check_choice, check_positive
 from . import cache
 from .batches import BatchSampler, _check_length, balance_splits, eval_batches, window
-from .corpus import CorpusFile, list_files, source_name, source_root
+from .corpus import RECORDS, SOURCES, CorpusFile, list_files, source_name, source_root
+from .records import RecordData, find_or_build, prepare_records
+from .records.shapes import named_shape
+from .records.sources import record_files
 from .tokenizer import MIN_VOCAB, BPETokenizer, TokenizerFile
 
 log = logging.getLogger("bigdense")
@@ -86,7 +89,12 @@ class Data:
 def check_data(cfg) -> None:
     """The ``data`` group's rules: a source that exists, a vocabulary size the tokenizer supports,
     a held-out share in (0, 1), positive sizes."""
-    source_root(cfg.source, cfg.path)
+    check_choice("data.source", cfg.source, SOURCES)
+    if cfg.source == RECORDS:
+        record_files(cfg.path)
+        named_shape(cfg)
+    else:
+        source_root(cfg.source, cfg.path)
     if not MIN_VOCAB <= cfg.vocab_size <= 1 << 32:
         raise ConfigError(f"data.vocab_size must be in [{MIN_VOCAB}, 2**32] (256 bytes and end-of-text), got {cfg.vocab_size}")
     if not 0.0 < cfg.val_fraction < 1.0:
@@ -115,6 +123,44 @@ def check_corpus(cfg) -> tuple[Path, list[CorpusFile]]:
             "out; a token holds a byte at least): lower data.seq_len, or give more text (data.path, data.max_corpus_mb)"
         )
     return root, files
+
+
+def check_source(cfg, tokenizer: Optional[TokenizerFile] = None) -> None:
+    """What the launchers check before the run directory exists: the corpus listed by size
+    (`check_corpus`), or, for records, every record read, checked and tokenised into the cache
+    (so a bad record stops the launch with nothing written to the run directory)."""
+    if cfg.source == RECORDS:
+        check_data(cfg)
+        find_or_build(cfg, tokenizer)
+    else:
+        check_corpus(cfg)
+
+
+def _agreed(compute: Callable[[], Any], key_of: Callable[[Any], str], cfg, ctx) -> Any:
+    """``compute()`` on this rank, then (with a process group) the ranks agree: a rank that failed
+    stops them all with its error, and ranks whose results differ in ``key_of`` (other files) stop
+    with a `ConfigError`. One exchange, so no rank waits on one that failed."""
+    try:
+        value = compute()
+    except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then re-raised
+        if not _distributed():
+            raise
+        value, error = None, e
+    else:
+        error = None
+    if _distributed():
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, (None if error else key_of(value), _report(error, ctx.rank)))
+        if error is not None:
+            raise error
+        if any(report for _, report in found):
+            _raise_peers([report for _, report in found], "")
+        if len({k for k, _ in found}) > 1:
+            raise ConfigError(
+                f"the ranks see different corpora for data.source={cfg.source!r} (data.path={cfg.path!r}): "
+                "every machine needs the same files"
+            )
+    return value
 
 
 def _distributed() -> bool:
@@ -187,9 +233,10 @@ def announce_build(files, vocab_size: int, path: Path, tokenizer: Optional[Token
              "s, depending on the machine (cached afterwards)", how, len(files), path, low, high)
 
 
-def prepare_data(cfg, ctx=None, *, seed: int = 0, tokenizer: Optional[TokenizerFile] = None) -> Data:
+def prepare_data(cfg, ctx=None, *, seed: int = 0, tokenizer: Optional[TokenizerFile] = None) -> Data | RecordData:
     """Build (once, on the main rank) or find the cache for ``cfg`` (a `DataConfig` or the ``data``
-    node of a Hydra config), then memory-map it on every rank.
+    node of a Hydra config), then memory-map it on every rank. ``data.source=records`` gives a
+    `RecordData` (`bigdense.data.records`: the same batch interface, ``y`` masked with -100).
 
     ``tokenizer``: the model's own tokenizer (a fine-tuned model's ``tokenizer.json``), which then
     encodes the corpus and sets the vocabulary size, instead of a BPE trained on the corpus with
@@ -204,29 +251,17 @@ def prepare_data(cfg, ctx=None, *, seed: int = 0, tokenizer: Optional[TokenizerF
 
     check_data(cfg)
     ctx = ctx if ctx is not None else get_default_context()
+    if cfg.source == RECORDS:  # every rank finds the cache or builds it under a lock, then the ranks agree
+        return _agreed(lambda: prepare_records(cfg, ctx, seed=seed, tokenizer=tokenizer),
+                       lambda data: data.manifest["key"], cfg, ctx)
     vocab_size = tokenizer.vocab_size if tokenizer else cfg.vocab_size
     t0 = time.perf_counter()
-    try:
+
+    def listed():
         root, files = check_corpus(cfg)
-        key = cache.fingerprint(cfg.source, root, files, vocab_size, cfg.val_fraction, tokenizer)
-    except Exception as e:  # noqa: BLE001 - shared with the other ranks below, then re-raised
-        if not _distributed():
-            raise
-        key, error = None, e
-    else:
-        error = None
-    if _distributed():  # agree on the corpus; a rank that cannot see it stops them all
-        found = [None] * dist.get_world_size()
-        dist.all_gather_object(found, (key, _report(error, ctx.rank)))
-        if error is not None:
-            raise error
-        if any(report for _, report in found):
-            _raise_peers([report for _, report in found], "")
-        if len({k for k, _ in found}) > 1:
-            raise ConfigError(
-                f"the ranks see different corpora for data.source={cfg.source!r} (data.path={cfg.path!r}): "
-                "every machine needs the same files"
-            )
+        return root, files, cache.fingerprint(cfg.source, root, files, vocab_size, cfg.val_fraction, tokenizer)
+
+    root, files, key = _agreed(listed, lambda found: found[2], cfg, ctx)
     path = cache.cache_path(cfg.cache_dir, cfg.source, key)
 
     built = []

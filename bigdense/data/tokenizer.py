@@ -96,6 +96,12 @@ class BPETokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """Each text's ids; ``add_special_tokens``: with what the tokenizer adds around a text (a
+        model's beginning-of-sequence token, say), as ``transformers``' ``tokenizer(text)`` does."""
+        encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # no offsets: faster
+        return [enc.ids for enc in encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 

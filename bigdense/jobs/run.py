@@ -27,9 +27,10 @@ from omegaconf import open_dict, read_write
 
 from ..checkpoint import CheckpointError
 from ..config import check_override_keys
-from ..data.prepare import check_corpus
+from ..data.prepare import check_source
 from ..errors import ConfigError
 from ..train.faults import CollectiveFailure, TrainingStopped
+from .models import model_tokenizer
 from .setup import HeldStderr, check_config, stop, tell_launcher
 
 _held = HeldStderr()  # Hydra's own errors printed once under torchrun, like bigdense's
@@ -59,7 +60,7 @@ def run_job(job: Callable, cfg) -> None:
 class CheckConfigFirst(Callback):
     """Hydra's ``on_run_start``, which comes after the config is composed and before the run
     directory is made: the job's config is checked there (`check_config`, on every rank), and its
-    corpus listed (`check_corpus`: no file, or too few bytes for two windows), so a bad value stops
+    corpus listed (`check_source`: no file, too few bytes for two windows, a bad record), so a bad value stops
     the launch before anything is written. A sweep's jobs are checked each in its own directory, by
     the job."""
 
@@ -70,7 +71,8 @@ class CheckConfigFirst(Callback):
         # Hydra turns a callback's exception into a warning and goes on; `exits` stops the launch.
         with exits():
             check_config(job_config)
-            check_corpus(job_config.data)  # the files listed, by size: too few stop the launch here too
+            # The files listed by size (too few stop the launch here too); records read and checked.
+            check_source(job_config.data, model_tokenizer(job_config))
 
 
 @contextlib.contextmanager

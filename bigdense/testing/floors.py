@@ -32,6 +32,7 @@ FLOORS = (
     (6, "bigdense.config", "the jobs' configuration: schemas, key checks, validation"),
     (6, "bigdense.jobs", "config -> objects: the run, the model, the one parallelize function"),
     (6, "bigdense", "the package itself (only the top __init__): re-exports the public names"),
+    (7, "bigdense.data.__main__", "the rows a job would see (python -m bigdense.data show)"),
     (7, "bigdense.plan.__main__", "the planner's command line (python -m bigdense.plan)"),
     (7, "bigdense.plan.config", "the planner's reading of a job's config"),
     (7, "bigdense.plan.measure", "the planner's measurement of a real step"),

@@ -7,7 +7,8 @@ a download, for the tests and for trying the job.
 
 The weights are random (seeded): fine-tuning them shows the job working, not a useful model. The
 tokenizer is a byte-level BPE trained on a few of this Python's own standard-library files (the
-job's default corpus), saved as ``tokenizer.json`` with ``</s>`` as its end-of-sequence token.
+job's default corpus), saved as ``tokenizer.json`` with ``</s>`` as its end-of-sequence token and a
+small chat template (`CHAT_TEMPLATE`) that marks the assistant's tokens.
 """
 from __future__ import annotations
 
@@ -20,6 +21,18 @@ from unittest import mock
 import torch
 
 EOS = "</s>"
+# A small chat template in the field's form: turns between role markers, the assistant's content and its
+# end-of-sequence token inside {% generation %} (which lets transformers mark the assistant's tokens), an
+# unknown role refused.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role: ' + m['role']) }}{% endif %}"
+    "{{ '<|' + m['role'] + '|>\n' }}"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ m['content'] + '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 # A few standard-library files: text every machine has, the same for the same Python.
 TOKENIZER_TEXTS = ("json/decoder.py", "json/encoder.py", "textwrap.py", "argparse.py", "functools.py")
 # The shape of the model `python -m bigdense.testing.pretrained` writes (small enough to train on a CPU).
@@ -42,7 +55,7 @@ def train_tokenizer(vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, chat_template=CHAT_TEMPLATE)
 
 
 def write_pretrained(directory, model_type: str = "llama", *, vocab_size: int = 512, seed: int = 0,

@@ -201,15 +201,23 @@ class Engine:
 
     @torch.no_grad()
     def eval_loss(self, x, y) -> float:
-        """Mean loss of ``model(x, y)`` in eval mode (no dropout), autocast, averaged over DP."""
+        """Mean loss of ``model(x, y)`` in eval mode (no dropout), autocast, over the DP group's
+        counted targets (`eval_loss_and_tokens`)."""
+        return self.eval_loss_and_tokens(x, y)[0]
+
+    def eval_loss_and_tokens(self, x, y) -> tuple[float, int]:
+        """``(mean loss, counted targets)`` of the DP group's batches in eval mode: each rank's mean
+        weighted by its counted targets (`TokenWeights`; the plain mean over DP when they are equal)."""
         was_training = self.model.training
         self.model.eval()
         try:
+            y = self._to_device(y)
             with self._compute_context():
-                loss = self._check_loss(self.model(self._to_device(x), self._to_device(y)))
+                loss = self._check_loss(self.model(self._to_device(x), y))
         finally:
             self.model.train(was_training)
-        return self._dp_mean(loss.detach().float())
+        weights = TokenWeights([(x, y)], self.ctx.dp_group)
+        return self._dp_mean(loss.detach().float() * weights.factors[0]), int(weights.tokens.item())
 
     def checkpoint_state(self) -> dict:
         """``{"model", "optimizer", "scheduler", "scaler"}`` for
