@@ -14,7 +14,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -122,22 +122,24 @@ def build(path: Path, key: str, files: Sequence[CorpusFile], vocab_size: int, va
         np.save(tmp / "val.npy", val)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         fsync_tree(tmp)
-        _publish(tmp, path, key, vocab_size)
+        publish(tmp, path, lambda p: load(p, key, vocab_size) is not None)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return manifest
 
 
-def _publish(tmp: Path, path: Path, key: str, vocab_size: int) -> None:
+def publish(tmp: Path, path: Path, complete: Callable[[Path], bool]) -> None:
+    """``tmp`` renamed to ``path``. A folder already there that is ``complete`` (another builder
+    got there first with the same inputs) is kept; anything else there (not made by a build, or
+    broken) is moved aside first."""
     try:
         rename_into_place(tmp, path)
         return
     except OSError:
         if not path.exists():
             raise
-    if load(path, key, vocab_size) is not None:
-        return  # another builder got there first with the same inputs
-    # A broken folder under the final name (not made by `build`): move it aside, then publish.
+    if complete(path):
+        return
     stale = hidden_sibling(path, "stale")
     os.rename(path, stale)
     shutil.rmtree(stale, ignore_errors=True)

@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from ...errors import ConfigError
-from ..tokenizer import BPETokenizer
+from ..tokenizer import BPETokenizer, token_dtype
 from .shapes import MESSAGES, PROMPT_COMPLETION, TEXT, Examples
 from .sources import Problems
 
@@ -100,7 +100,7 @@ def encode_examples(examples: Examples, tok: RecordTokenizer, train_on_prompt: b
     for i in by_kind[MESSAGES]:
         try:
             chat_ids, mask = tok.render(examples.values[i], train_on_prompt)
-        except ConfigError:
+        except ConfigError:  # the template itself is refused: every record would be
             raise
         except Exception as e:  # noqa: BLE001 -- the template's own refusal (jinja's raise_exception, ...)
             problems.report(f"{examples.where(i)}, field 'messages': the chat template refuses it: {e}")
@@ -122,8 +122,6 @@ def _runs(mask: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def _pack_arrays(ids: list[list[int]], runs: list, vocab_size: int, train_on_prompt: bool) -> Encoded:
-    from ..tokenizer import token_dtype
-
     lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])

@@ -12,7 +12,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -22,10 +21,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ...durable import fsync_tree, hidden_sibling, rename_into_place
+from ...durable import fsync_tree, hidden_sibling
 from ...errors import ConfigError
 from ..batches import window
-from ..cache import cache_root
+from ..cache import cache_root, publish
 from ..tokenizer import BPETokenizer, TokenizerFile, library_version
 from .encode import Encoded, RecordTokenizer, encode_examples
 from .rows import RowSequence
@@ -144,24 +143,9 @@ def _build(cfg, files, val_files, tokenizer_file, path: Path, key: str) -> None:
                 np.save(tmp / f"{split}_{name}.npy", getattr(enc, name))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         fsync_tree(tmp)
-        _publish(tmp, path, key)
+        publish(tmp, path, lambda p: _manifest(p, key) is not None)  # a complete one of this key is kept
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _publish(tmp: Path, path: Path, key: str) -> None:
-    """``tmp`` renamed to ``path``; a complete folder of the same key already there (another machine's
-    builder on a shared folder the lock does not reach) is kept, anything else there moved aside."""
-    try:
-        rename_into_place(tmp, path)
-        return
-    except OSError:
-        if not path.exists() or _manifest(path, key) is not None:
-            return
-    stale = hidden_sibling(path, "stale")
-    os.rename(path, stale)
-    shutil.rmtree(stale, ignore_errors=True)
-    rename_into_place(tmp, path)
 
 
 def _tokenizer(cfg, tokenizer_file: Optional[TokenizerFile], train: Examples) -> RecordTokenizer:
