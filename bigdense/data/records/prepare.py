@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -45,11 +46,19 @@ KEYED_OPTIONS = ("text_field", "prompt_field", "completion_field", "messages_fie
 
 
 def _digest(path: Path) -> str:
+    """A file's (or a saved dataset folder's) contents, hashed once per process for the same name,
+    size and modification time: a launch's check before the run directory and its job both key the
+    cache, in one process."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return _digest_of(path, tuple((f, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+@functools.lru_cache(maxsize=64)
+def _digest_of(path: Path, files: tuple) -> str:
     import xxhash  # here: bench.gpu's machines import bigdense.data without it
 
     h = xxhash.xxh3_64()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for f in files:
+    for f, _, _ in files:
         h.update(str(f.relative_to(path)).encode() if path.is_dir() else b"")
         with open(f, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 22), b""):
