@@ -266,15 +266,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cfg: ColumnComm, *params):
-        device_type = x.device.type
-        dtype = autocast_dtype(device_type, x.dtype)
-        xc = x.to(dtype)
-        with no_autocast(device_type):
-            total = xc if cfg.seq_sizes is None else comm.all_gather_dim(xc, SEQ_DIM, cfg.group, cfg.seq_sizes)
-            outs = tuple(
-                torch.nn.functional.linear(total, w.to(dtype), None if b is None else b.to(dtype))
-                for w, b in zip(params[0::2], params[1::2])
-            )
+        xc, outs = _column_outputs(x, cfg, params)
         ctx.cfg, ctx.x_dtype = cfg, x.dtype
         ctx.save_for_backward(xc, *params)
         return outs
@@ -313,6 +305,20 @@ class _ColumnParallelLinear(torch.autograd.Function):
         return (grad_x, None, *param_grads)
 
 
+def _column_outputs(x: torch.Tensor, cfg: ColumnComm, params) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """`_ColumnParallelLinear`'s forward arithmetic: ``x`` in the GEMMs' dtype, and the outputs."""
+    device_type = x.device.type
+    dtype = autocast_dtype(device_type, x.dtype)
+    xc = x.to(dtype)
+    with no_autocast(device_type):
+        total = xc if cfg.seq_sizes is None else comm.all_gather_dim(xc, SEQ_DIM, cfg.group, cfg.seq_sizes)
+        outs = tuple(
+            torch.nn.functional.linear(total, w.to(dtype), None if b is None else b.to(dtype))
+            for w, b in zip(params[0::2], params[1::2])
+        )
+    return xc, outs
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``(*, n)`` as a matrix ``(prod(*), n)`` (``reshape(-1, n)`` is ambiguous when ``n == 0``)."""
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
@@ -332,6 +338,11 @@ def column_parallel_linear(
     params = [t for pair in projections for t in pair]
     if _single(cfg.group) and cfg.seq_sizes is not None:
         cfg = ColumnComm(cfg.group, None, cfg.overlap)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params))):
+        # Nothing to differentiate (a frozen layer fed by frozen ones, as under low-rank adapters, or
+        # no_grad): the arithmetic alone. torch.compile mis-binds an autograd Function's arguments
+        # when none of its inputs requires a gradient (a graph split per call, measured).
+        return schedule.tag(_column_outputs(x, cfg, params)[1])
     return schedule.tag(_ColumnParallelLinear.apply(x, cfg, *params))
 
 
