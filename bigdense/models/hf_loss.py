@@ -209,10 +209,14 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 def prove(lm: nn.Module, tap: HeadTap, transform: LogitTransform, ids: torch.Tensor, where: str) -> Optional[str]:
     """None when, on the probe batch ``ids`` (next-token targets), the fused loss and its gradients
     with respect to the hidden states and the head's weight (and bias) equal the model's own logits
-    path's; else what differs. Parameters' ``.grad`` are left as they were."""
+    path's; else what differs. A frozen head (low-rank adapters train the rest) is proved by the
+    loss and the hidden states' gradient; a model with nothing trained before its head, by the
+    head's. Parameters' ``.grad`` are left as they were."""
     y = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
     head = tap.head
-    wrt = [head.weight] + ([head.bias] if getattr(head, "bias", None) is not None else [])
+    params = {"the head weight's gradient": head.weight, "the head bias' gradient": getattr(head, "bias", None)}
+    params = {name: p for name, p in params.items() if p is not None and p.requires_grad}
+    wrt = list(params.values())
     hidden = []
     hook = head.register_forward_pre_hook(lambda module, args: hidden.append(args[0]))
     try:
@@ -220,13 +224,14 @@ def prove(lm: nn.Module, tap: HeadTap, transform: LogitTransform, ids: torch.Ten
     finally:
         hook.remove()
     own = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
-    want = torch.autograd.grad(own, [hidden[0], *wrt])
+    through_hidden = hidden[0].requires_grad
+    want = torch.autograd.grad(own, [hidden[0]] * through_hidden + wrt) if own.requires_grad else ()
     fused = []
     tap.run(lm, ids, lambda h: fused.append((h, fused_loss(h, y, head_shard(head), transform, where=where))))
     (h, ours), = fused
-    got = torch.autograd.grad(ours, [h, *wrt])
+    got = torch.autograd.grad(ours, [h] * through_hidden + wrt) if ours.requires_grad else ()
     rtol = PROOF_RTOL.get(head.weight.dtype, 3e-2)
-    names = ["loss", "the hidden states' gradient", "the head weight's gradient", "the head bias' gradient"]
+    names = ["loss"] + ["the hidden states' gradient"] * through_hidden + list(params)
     for name, a, b in zip(names, [ours, *got], [own, *want]):
         err = float((a.detach().float() - b.detach().float()).abs().max()) / max(float(b.detach().float().abs().max()), 1e-30)
         if not err <= rtol:
