@@ -23,6 +23,7 @@ import bigdense as bd
 from bigdense.config import register_configs
 from bigdense.data import prepare_data
 from bigdense.jobs import build_gpt, build_hf, model_tokenizer, parallelize_model, start_run
+from bigdense.jobs.parallelize import adapters_wanted
 from bigdense.jobs.evaluate import held_out_loss
 from bigdense.jobs.loop import StepLoop
 from bigdense.jobs.run import launch, run_job
@@ -62,8 +63,9 @@ def train(cfg) -> None:
         model = build_hf(cfg, keep_files_in=run.hf_dir if ctx.is_main else None)
     else:
         model = build_gpt(cfg, data.tokenizer.vocab_size, ctx)
-    engine = parallelize_model(model, ctx, cfg, init_from=None if resuming else tr.init_from,
-                               load_pretrained=not resuming).engine
+    base_again = adapters_wanted(cfg)  # a LoRA run's checkpoints hold its adapters, not its frozen base
+    engine = parallelize_model(model, ctx, cfg, init_from=tr.init_from if base_again or not resuming else None,
+                               load_pretrained=base_again or not resuming).engine
     counts = model.num_parameters()
     log.info("model: %.2fM parameters, head %.2fM; mesh tp=%d x dp=%d on %s; engine=%s precision=%s recompute=%s",
              counts["total"] / 1e6, counts["head"] / 1e6, ctx.tp_size, ctx.dp_size, ctx.device,

@@ -302,3 +302,16 @@ def compile_for_sm90_in_a_fresh_process(module: str, expected: int) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and f"compiled {expected}" in done.stdout, done.stderr[-3000:]
+
+
+def uneven_llama(seed: int = 0):
+    """A tiny transformers Llama whose sizes split unevenly over 2 and 3 ranks (hidden 36, 6 heads over
+    3 key/value heads, MLP 44, vocabulary 61), in eval mode, its weights drawn after
+    ``torch.manual_seed(seed)``: the low-rank adapter tests' model."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=36, intermediate_size=44, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=32,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).eval()

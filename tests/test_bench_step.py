@@ -23,7 +23,8 @@ def test_the_baseline_replaces_tp_dropout_in_every_module_that_calls_it():
                       if name.startswith("bigdense.") and not hasattr(module, "__path__")  # (packages re-export)
                       and name != "bigdense.parallel.dropout" and getattr(module, "tp_dropout", None) is tp_dropout)
 
-    assert callers() == ["bigdense.layers.base", "bigdense.layers.dropout", "bigdense.models.gpt"]
+    assert callers() == ["bigdense.layers.base", "bigdense.layers.dropout", "bigdense.layers.lora",
+                         "bigdense.models.gpt"]
     with step.variant("baseline", checks=False):
         assert callers() == []
 

@@ -36,9 +36,10 @@ def _unwaited_collectives() -> int:
     return torch._C._distributed_c10d._get_work_registry_size()
 
 
-def _train(tp, mode, *, sequence_parallel=False, recompute="none", kind="ddp", grad_accum=1):
-    """Losses of CHECKED + STEPS engine steps of the reference GPT (dropout everywhere) compiled by
-    ``mode``, the graph counts of each step and the collectives left unwaited."""
+def _train(tp, mode, *, sequence_parallel=False, recompute="none", kind="ddp", grad_accum=1, lora=False):
+    """Losses of CHECKED + STEPS engine steps of the reference GPT (dropout everywhere; with ``lora``
+    low-rank adapters on every projection, their dropout too) compiled by ``mode``, the graph counts
+    of each step and the collectives left unwaited."""
     from bigdense.config import RecomputeConfig
     from bigdense.train.compile import GraphCounts, apply_compile
     from bigdense.train.engines import build_engine
@@ -52,6 +53,8 @@ def _train(tp, mode, *, sequence_parallel=False, recompute="none", kind="ddp", g
                                                          for _ in range(grad_accum)]] for _ in range(CHECKED + STEPS)]
     torch.manual_seed(0)
     model = GPT(cfg, tp_group=ctx.tp_group)
+    if lora:
+        bd.add_lora(model, r=2, dropout=0.1)
     torch._dynamo.reset()
     apply_compile(model, mode, "aot_eager", stage="before_recompute")
     apply_recompute(model.blocks, RecomputeConfig(mode=recompute))
@@ -84,20 +87,24 @@ def _check(results, max_graphs=2):
         assert unwaited == 0, unwaited
 
 
-def test_model_compile_trains_the_gpt_like_eager_in_one_graph():
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "adapters"])
+def test_model_compile_trains_the_gpt_like_eager_in_one_graph(lora):
     # One process: the whole step's forward is one graph and its backward one graph.
-    results = run_ranks(_compare, 1, 1, timeout=600)
+    results = run_ranks(_compare, 1, 1, lora=lora, timeout=600)
     _check(results, max_graphs=1)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sequence_parallel,recompute", [(False, "none"), (True, "none"), (False, "full"),
-                                                         (True, "every_k")])
-def test_model_compile_at_tp2_with_sp_and_recompute(sequence_parallel, recompute):
+@pytest.mark.parametrize("sequence_parallel,recompute,lora", [(False, "none", False), (True, "none", False),
+                                                              (False, "full", False), (True, "every_k", False),
+                                                              (True, "full", True)])
+def test_model_compile_at_tp2_with_sp_and_recompute(sequence_parallel, recompute, lora):
     # TP collectives are functional collectives inside the graph; activation checkpointing is traced
     # into the backward graph (its recompute keys saved by the forward, so the masks are eager's).
     # Under SP a checked step, compiled, would leave the sequence shares' exchange unwaited (`_check`).
-    _check(run_ranks(_compare, 2, 2, sequence_parallel=sequence_parallel, recompute=recompute, timeout=900))
+    # Adapters: their (tokens, r) collectives and partial gradients inside the same graphs.
+    _check(run_ranks(_compare, 2, 2, sequence_parallel=sequence_parallel, recompute=recompute, lora=lora,
+                     timeout=900))
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ def test_a_typo_near_low_rank_says_it_is_no_adapter(typo):
     said = str(err.value)
     assert said.startswith(f"{typo} is not a config key; did you mean model.low_rank? model.low_rank builds the "
                            "named dense layers as low-rank pairs, as `python -m bigdense.compress` writes them"), said
-    assert "it adds no adapters (bigdense has no LoRA" in said and "\n" not in said
+    assert "it adds no adapters (low-rank adapters beside frozen layers are the lora group: lora.r=16)" in said
+    assert "\n" not in said
 
 
 def test_a_key_without_a_hint_is_suggested_as_before():

@@ -100,11 +100,12 @@ def variant(name: str, checks: bool | None = None):
     import bigdense as bd
     import bigdense.layers.base as base_mod
     import bigdense.layers.dropout as dropout_mod
+    import bigdense.layers.lora as lora_mod
     import bigdense.models.gpt as gpt_mod
 
     # Every module that calls tp_dropout by name: the GPT (attention probabilities), base's
-    # sequence_dropout (embedding, attention and MLP outputs), ShardedDropout.
-    modules = (gpt_mod, base_mod, dropout_mod)
+    # sequence_dropout (embedding, attention and MLP outputs), ShardedDropout, the low-rank adapters'.
+    modules = (gpt_mod, base_mod, dropout_mod, lora_mod)
     saved = [m.tp_dropout for m in modules]
     if name == "baseline":
         for m in modules:

@@ -16,6 +16,9 @@ included); a replicated one has a single box covering it all. A reader at anothe
 the intersection of each stored box with the box it needs, so resharding is a box-overlap
 question and nothing depends on how the writer split the tensor.
 
+A model with low-rank adapters is stored as its adapters and their optimizer state only; the
+manifest's ``lora`` record then names the frozen base they need (`bigdense.checkpoint.lora_state`).
+
 This module is free of process groups: the offline tools (`export_dense`) use it alone. Box
 arithmetic is in `boxes`.
 """

@@ -19,49 +19,29 @@ and dropped: the process holds about one global tensor of the checkpoint at a ti
 worth, let alone the model. The directory is
 built under a hidden temporary name and renamed into place whole. transformers is imported only
 by the functions that need it.
+
+A LoRA checkpoint is written by `bigdense.checkpoint.lora_export`: a PEFT adapter directory, or with
+``merge=True`` the base with the adapters folded in.
 """
 from __future__ import annotations
 
-import json
-import re
-import shutil
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 import torch
 
-from ..durable import fsync_tree, hidden_sibling, rename_into_place
-from ..models.hf_dir import CONFIG, WEIGHT_SUFFIXES
+from ..models.hf_dir import CONFIG
 from .dense import CheckpointTensors
-from .format import RUN_CHECKPOINTS, CheckpointError, read_manifest, resolve_checkpoint, write_safetensors
-from .hf_import import INDEX, SINGLE
-
-RUN_HF = "hf"  # <run_dir>/hf/: where the training job copies the source directory's config and tokenizer
-LM_PREFIX = "lm."  # `CausalLM` holds the transformers model as ``lm``
-# Decimal units as transformers' max_shard_size reads them ("5GB" is 5 * 10**9 bytes), binary with "iB".
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-@dataclass
-class OutTensor:
-    """One tensor of the exported files, and the checkpoint tensor it comes from."""
-
-    name: str  # the name in the files (transformers' checkpoint naming)
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    source: str  # the model tensor (transformers' in-memory name) whose reverted conversion yields it
-    stored: str  # the checkpoint's name of that tensor (``lm.``..., the stored one when tied)
-
-    @property
-    def nbytes(self) -> int:
-        return torch.Size(self.shape).numel() * self.dtype.itemsize
+from .format import CheckpointError, read_manifest, resolve_checkpoint
+from .hf_files import (
+    LM_PREFIX, OutTensor, check_out, copy_hf_files, hf_files_dir, meta_model_of, parse_size, publish, split_files,
+    write_weights, written_float_dtype,
+)
+from .lora_export import adapter_writer, merged_writer
 
 
 def export_hf(source, out, *, max_shard_size: Union[str, int] = "5GB", dtype: Optional[torch.dtype] = None,
-              verify: bool = True) -> Path:
+              verify: bool = True, merge: bool = False) -> Path:
     """Write the `CausalLM` of checkpoint ``source`` (a run directory, its ``checkpoints/`` or
     ``latest``, or a checkpoint directory) as a Hugging Face directory ``out``; returns ``out``.
 
@@ -71,74 +51,39 @@ def export_hf(source, out, *, max_shard_size: Union[str, int] = "5GB", dtype: Op
     ``verify``: check each shard's checksum as it is read. ``out`` must not exist or be empty; a
     failed export leaves nothing there. Raises `CheckpointError` for a checkpoint that is no
     `CausalLM`, has no config.json to be found, or does not match that config.
+
+    A LoRA checkpoint is written as a PEFT adapter directory, or with ``merge=True`` as its base
+    with the adapters folded in (see the module docstring; ``verify`` then also checks the base
+    directory's weights against the digest the manifest records). ``dtype`` casts the factors, or
+    the merged tensors.
     """
     limit = parse_size(max_shard_size)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"export_hf: dtype must be a floating-point torch.dtype, got {dtype!r}")
     out = Path(out)
-    _check_out(out)
+    check_out(out)
     ckpt = resolve_checkpoint(source)
     manifest = read_manifest(ckpt)
+    lora = manifest.get("lora")
+    if merge and not lora:
+        raise CheckpointError(f"{ckpt} holds no adapters (a full checkpoint): merging is for a LoRA checkpoint; "
+                              f"export it without merge")
     with CheckpointTensors(ckpt, manifest, verify=verify) as stored:
         _check_causal_lm(stored, ckpt)
+        if lora:
+            publish(out, merged_writer(ckpt, manifest, lora, stored, dtype, limit, verify) if merge
+                     else adapter_writer(ckpt, manifest, lora, stored, dtype))
+            return out
         hf_dir = hf_files_dir(ckpt, manifest)
-        meta_model = _meta_model(hf_dir)
+        meta_model = meta_model_of(hf_dir)
         outputs = plan_outputs(meta_model, stored, dtype, f"{ckpt} against {hf_dir / CONFIG}")
 
         def write(directory: Path) -> None:
-            _write_weights(directory, split_files(outputs, limit), _Reverter(meta_model, stored, dtype).take)
-            _copy_hf_files(hf_dir, directory, _written_float_dtype(outputs))
+            write_weights(directory, split_files(outputs, limit), _Reverter(meta_model, stored, dtype).take)
+            copy_hf_files(hf_dir, directory, written_float_dtype(outputs))
 
-        _publish(out, write)
+        publish(out, write)
     return out
-
-
-def _publish(out: Path, write: Callable[[Path], None]) -> None:
-    """``write`` into a hidden sibling of ``out``, renamed into place when complete: a failure
-    leaves nothing at ``out`` (and removes the sibling)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = hidden_sibling(out, "tmp")
-    tmp.mkdir()
-    try:
-        write(tmp)
-        fsync_tree(tmp)
-        rename_into_place(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def parse_size(size: Union[str, int]) -> int:
-    """Bytes of ``size``: an int, or a string such as ``"500MB"``, ``"5GB"``, ``"2GiB"``."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b)?\s*", str(size).lower())
-        if match is None or (match.group(2) or "") not in _UNITS:
-            raise ValueError(f"max_shard_size must be a number of bytes or a size like '500MB' or '5GB', got {size!r}")
-        value = int(float(match.group(1)) * _UNITS[match.group(2) or ""])
-    if value < 1:
-        raise ValueError(f"max_shard_size must be at least 1 byte, got {size!r}")
-    return value
-
-
-def _check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} already exists and is not an empty directory; export_hf writes a new "
-                              f"directory (remove it, or give another path)")
-
-
-def hf_files_dir(ckpt: Path, manifest: dict) -> Path:
-    """The directory holding the model's config.json and tokenizer: the run's ``hf/`` (the training
-    job copies them there from ``model.path``), else ``model.path`` of the checkpoint's config."""
-    run_hf = ckpt.parent.parent / RUN_HF if ckpt.parent.name == RUN_CHECKPOINTS else None
-    model_path = ((manifest.get("config") or {}).get("model") or {}).get("path")
-    for place in (run_hf, Path(model_path) if model_path else None):
-        if place is not None and (place / CONFIG).is_file():
-            return place
-    in_run = f"{run_hf}" if run_hf else f"no run's {RUN_HF}/ ({ckpt} is not in a run's {RUN_CHECKPOINTS}/)"
-    recorded = f"{model_path}" if model_path else "no model.path (the checkpoint records none)"
-    raise CheckpointError(f"{ckpt}: found no {CONFIG} of the Hugging Face model; looked in {in_run} and in "
-                          f"{recorded}")
 
 
 def _check_causal_lm(stored: CheckpointTensors, ckpt: Path) -> None:
@@ -147,15 +92,6 @@ def _check_causal_lm(stored: CheckpointTensors, ckpt: Path) -> None:
         raise CheckpointError(f"{ckpt} is not a checkpoint of a bigdense.models.CausalLM (expected only "
                               f"'{LM_PREFIX}...' model tensors, found {others[:4] or 'none'}); "
                               f"bd.export_dense exports other models")
-
-
-def _meta_model(hf_dir: Path):
-    """The transformers model of ``hf_dir``'s config.json, on the meta device (no weights, no network)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(hf_dir)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
 
 
 def plan_outputs(meta_model, stored: CheckpointTensors, dtype: Optional[torch.dtype], where: str) -> list[OutTensor]:
@@ -225,20 +161,6 @@ def _check_revert_per_tensor(meta_model, written, stored, dtype, per_tensor: dic
                               f"differ: {differ})")
 
 
-def split_files(outputs: list[OutTensor], limit: int) -> list[list[OutTensor]]:
-    """``outputs`` in order, cut into files of at most ``limit`` bytes of tensors (a larger tensor
-    alone in its file)."""
-    files: list[list[OutTensor]] = [[]]
-    size = 0
-    for tensor in outputs:
-        if files[-1] and size + tensor.nbytes > limit:
-            files.append([])
-            size = 0
-        files[-1].append(tensor)
-        size += tensor.nbytes
-    return files
-
-
 class _Reverter:
     """Each output tensor when its turn comes: the model tensor it comes from is assembled from the
     checkpoint and reverted when its first output is asked for, and let go with its last."""
@@ -256,41 +178,3 @@ class _Reverter:
                                       f"{tensor.name!r} as planned")
         return self._pending.pop(tensor.name)
 
-
-def _write_weights(directory: Path, files: list[list[OutTensor]], take: Callable[[OutTensor], torch.Tensor]) -> None:
-    """The safetensors files (and the index when there are several), one tensor in memory at a time."""
-    names = [SINGLE] if len(files) == 1 else [f"model-{i:05d}-of-{len(files):05d}.safetensors"
-                                              for i in range(1, len(files) + 1)]
-    for file_name, tensors in zip(names, files):
-        by_name = {t.name: t for t in tensors}
-        write_safetensors(directory / file_name, [(t.name, t.dtype, t.shape) for t in tensors],
-                          lambda name: take(by_name[name]), {"format": "pt"})
-    if len(files) > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes for f in files for t in f)},
-                 "weight_map": {t.name: file_name for file_name, f in zip(names, files) for t in f}}
-        (directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _written_float_dtype(outputs: list[OutTensor]) -> Optional[torch.dtype]:
-    """The dtype of most floating-point bytes written (what config.json's ``dtype`` says)."""
-    counts = Counter()
-    for t in outputs:
-        if t.dtype.is_floating_point:
-            counts[t.dtype] += t.nbytes
-    return counts.most_common(1)[0][0] if counts else None
-
-
-def _copy_hf_files(hf_dir: Path, directory: Path, dtype: Optional[torch.dtype]) -> None:
-    """config.json (its ``dtype`` set to the written one) and every other file of ``hf_dir`` that is
-    not weights: generation config, tokenizer files."""
-    for path in sorted(hf_dir.iterdir()):
-        if path.is_file() and path.name != CONFIG and not path.name.startswith(".") \
-                and not path.name.endswith(WEIGHT_SUFFIXES):
-            shutil.copyfile(path, directory / path.name)
-    config = json.loads((hf_dir / CONFIG).read_text())
-    if dtype is not None:
-        name = str(dtype).removeprefix("torch.")
-        config["dtype"] = name
-        if "torch_dtype" in config:  # older transformers' name for it; kept in step
-            config["torch_dtype"] = name
-    (directory / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -25,6 +25,7 @@ from .format import (
     rank_file_name, read_manifest, resolve_checkpoint,
 )
 from .adapters import resolve_optimizer
+from .lora_state import LoRABase, as_base, check_lora_load, trainable_state
 from .optimizer import OptimizerAdapter, check_optimizer_groups
 from .pieces import ModelState, current_context, model_pieces, unwrap
 from ..compression.prune_masks import attach_saved_masks
@@ -45,6 +46,7 @@ class CheckpointInfo:
     unexpected: list[str] = field(default_factory=list)  # checkpoint tensors not in the model (strict=False)
     bytes_copied: int = 0  # bytes this rank copied out of shard files
     bytes_hashed: int = 0  # bytes this rank hashed to verify them
+    lora: Optional[dict] = None  # the manifest's ``lora`` record of a LoRA checkpoint (`lora_state`)
 
 
 @dataclass
@@ -109,6 +111,7 @@ def load_checkpoint(
     strict: bool = True,
     load_rng: bool = True,
     verify="node",
+    base: Union[LoRABase, dict, None] = None,
 ) -> CheckpointInfo:
     """Load a checkpoint saved at any TP x DP layout into ``model`` (and optimizer, scheduler, scaler).
 
@@ -127,6 +130,14 @@ def load_checkpoint(
     default; ``True``), ``"first"`` (once per job), ``"all"`` (by every rank that reads it),
     ``"none"`` (``False``); see `bigdense.checkpoint.verify`.
 
+    A LoRA checkpoint (of a model with adapters: the adapters and their optimizer state, not the
+    frozen base) loads into a model with adapters of the same settings on the same layers, its base
+    already loaded; ``base`` (a `LoRABase`, or a dict with ``path`` and ``digest``), when given, must
+    be the base the checkpoint names. It is refused, naming what differs, by a model without
+    adapters or with other settings; a full checkpoint is refused by a model with adapters unless
+    ``strict=False`` and no optimizer (its weights then load into the base): see
+    `bigdense.checkpoint.lora_state.check_lora_load`.
+
     Any problem -- another model's checkpoint, a missing, truncated or corrupted file, a missing
     shard -- raises `CheckpointError` naming the file and tensor on every rank, before anything is
     modified.
@@ -142,7 +153,7 @@ def load_checkpoint(
     held: list[LoadPlan] = []
 
     def plan_and_share():
-        held.append(_plan(path, module, opt, ctx, requested, strict))
+        held.append(_plan(path, module, opt, ctx, requested, strict, as_base(base)))
         return held[0].shard_sizes(), node_name()
 
     try:
@@ -158,10 +169,11 @@ def load_checkpoint(
                    lambda: _apply(plan, module, engine, opt, scheduler, scaler, load_rng))
     return CheckpointInfo(plan.ckpt, plan.manifest.get("step"), plan.rank_state.get("extra"),
                           plan.manifest.get("config"), plan.manifest["layout"], plan.missing, plan.unexpected,
-                          copied, plan.bytes_hashed)
+                          copied, plan.bytes_hashed, plan.manifest.get("lora"))
 
 
-def _plan(path, module, opt: Optional[OptimizerAdapter], ctx, requested: dict, strict: bool) -> LoadPlan:
+def _plan(path, module, opt: Optional[OptimizerAdapter], ctx, requested: dict, strict: bool,
+          base: Optional[LoRABase]) -> LoadPlan:
     ckpt = resolve_checkpoint(path)
     manifest = read_manifest(ckpt)
     rank_file = rank_file_name(_source_rank(manifest["layout"], ctx))
@@ -172,9 +184,13 @@ def _plan(path, module, opt: Optional[OptimizerAdapter], ctx, requested: dict, s
         if wanted and not has[what] and strict:
             hint = "pass optimizer=None" if what == "optimizer" else f"pass {what}=None or strict=False"
             raise CheckpointError(f"{ckpt} holds no {what} state (saved with {what}=None); {hint}")
+    adapters_only = check_lora_load(ckpt, manifest, module, base=base, strict=strict,
+                                    optimizer=requested["optimizer"] and has["optimizer"])
     # A pruned model's masks are part of its state: the layers that had one get one to load into.
     attach_saved_masks(module, [k[len("model/"):] for k in manifest["tensors"] if k.startswith("model/")])
     model_state = model_pieces(module, ctx.tp_rank, ctx.tp_size)
+    if adapters_only:  # the frozen base is already in the model; the checkpoint holds the rest
+        model_state = trainable_state(model_state, module)
     targets, missing, unexpected = _match_model(ckpt, manifest, model_state, strict)
     optim_targets, optim_common = [], None
     if opt is not None and has["optimizer"]:
@@ -235,7 +251,9 @@ def _match_optimizer(manifest: dict, saved: dict, opt: OptimizerAdapter, model_s
     check_optimizer_groups(names, saved["param_groups"])
     targets = []
     for name in (n for group in names for n in group):
-        param = model_state.pieces[name]
+        param = model_state.pieces.get(name)
+        if param is None:  # a frozen base parameter of a model with adapters: no state is stored for it
+            continue
         prefix = f"optim/{aliases.get(name, name)}/"
         for key in (k for k in tensors if k.startswith(prefix) and opt.loads_key(k[len(prefix):])):
             shape = tuple(tensors[key]["global_shape"])

@@ -192,7 +192,12 @@ def param_name(model: ModelState, param: torch.Tensor, where: str) -> str:
 
 def optimizer_state_piece(model: ModelState, name: str, key: str, value: torch.Tensor) -> Piece:
     """A per-parameter optimizer tensor as a box: shaped like the parameter -> sharded like it."""
-    param_piece = model.pieces[name]
+    param_piece = model.pieces.get(name)
+    if param_piece is None:  # only a model with adapters leaves parameters out (`lora_state.trainable_state`)
+        raise CheckpointError(
+            f"the optimizer holds state {key!r} of {name!r}, a frozen parameter of a model with adapters, which its "
+            f"checkpoint does not store; build the optimizer over the trainable parameters (requires_grad) only"
+        )
     value = local_tensor(value)  # an FSDP-sharded parameter's state is sharded like it
     if value.dim() > 0 and tuple(value.shape) == param_piece.shape:
         return param_piece.like(f"optim/{name}/{key}", value.detach())

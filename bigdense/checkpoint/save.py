@@ -30,7 +30,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -45,6 +45,7 @@ from .format import (
     shard_file_name, swapped_out_checkpoint, write_safetensors,
 )
 from .adapters import resolve_optimizer
+from .lora_state import LoRABase, as_base, lora_record, trainable_state
 from .optimizer import OptimizerAdapter
 from .pieces import Piece, current_context, model_pieces, unwrap
 from .retention import remove_beyond
@@ -72,6 +73,7 @@ class SavePlan:
     config: Any
     update_latest: bool
     keep_last: Optional[int]
+    lora: Optional[dict] = None  # the manifest's ``lora`` record (`lora_state`), None without adapters
 
 
 @dataclass
@@ -99,6 +101,7 @@ def save_checkpoint(
     update_latest: bool = True,
     keep_last: Optional[int] = None,
     async_: bool = False,
+    base: Union[LoRABase, dict, None] = None,
 ):
     """Save ``model`` (and optimizer, scheduler, scaler, RNG, ``extra``) to the directory ``path``.
 
@@ -117,6 +120,12 @@ def save_checkpoint(
     it is complete. ``keep_last``: then remove all but the newest ``keep_last`` complete
     checkpoints beside it (never the one ``latest`` names, never one being written).
 
+    A model with low-rank adapters (`bigdense.layers.lora.add_lora`) is saved as its adapters (and
+    any parameter left trainable) with their optimizer state: the frozen base is not copied but
+    named in the manifest's ``lora`` record (the settings, the adapted layers, and ``base``: a
+    `LoRABase`, or a dict with ``path`` and ``digest``, that `load_checkpoint` can check); see
+    `bigdense.checkpoint.lora_state`.
+
     ``async_=False`` returns the checkpoint directory once it is complete. ``async_=True`` returns
     a `SaveHandle` as soon as the state is snapshotted (tensors copied to host memory: pinned on
     GPUs), so changing the model or optimizer afterwards does not change what is saved; writing,
@@ -126,7 +135,7 @@ def save_checkpoint(
     see this module's docstring.
     """
     background.wait_for_checkpoints(raise_failure=False)  # at most one in flight; its failure stays with its handle
-    plan = _plan(path, model, optimizer, scheduler, scaler, extra, step, config, update_latest, keep_last)
+    plan = _plan(path, model, optimizer, scheduler, scaler, extra, step, config, update_latest, keep_last, base)
     try:
         snapshot = agree(f"save_checkpoint({plan.final}): preparing", lambda: _prepare(plan, copy=async_))
     except BaseException:
@@ -138,7 +147,7 @@ def save_checkpoint(
     return plan.final
 
 
-def _plan(path, model, optimizer, scheduler, scaler, extra, step, config, update_latest, keep_last) -> SavePlan:
+def _plan(path, model, optimizer, scheduler, scaler, extra, step, config, update_latest, keep_last, base) -> SavePlan:
     final = Path(path)
     if final.name in ("", ".", "..", LATEST):
         raise CheckpointError(f"save_checkpoint: {str(path)!r} cannot name a checkpoint directory")
@@ -150,9 +159,13 @@ def _plan(path, model, optimizer, scheduler, scaler, extra, step, config, update
     if engine is not None:
         scheduler = scheduler if scheduler is not None else getattr(engine, "lr_scheduler", None)
         step = step if step is not None else getattr(engine, "global_steps", None)
+    lora = lora_record(module, as_base(base))
+    if lora is None and base is not None:
+        raise ValueError(f"save_checkpoint: base={base!r} names the frozen base of a model with adapters; "
+                         f"{type(module).__name__} has none (bd.add_lora)")
     token = broadcast_object(f"{os.getpid()}-{os.urandom(4).hex()}" if ctx.rank == 0 else None)
     return SavePlan(final, hidden_sibling(final, "tmp", token), token, ctx, module, engine, adapter, scheduler,
-                    scaler, extra, step, config, update_latest, keep_last)
+                    scaler, extra, step, config, update_latest, keep_last, lora)
 
 
 def _prepare(plan: SavePlan, copy: bool) -> Snapshot:
@@ -160,6 +173,8 @@ def _prepare(plan: SavePlan, copy: bool) -> Snapshot:
     ctx = plan.ctx
     rank_blob = _weights_only_bytes({"rng": capture_rng(), "extra": plan.extra, "rank": ctx.rank}, "extra=")
     model_state = model_pieces(plan.module, ctx.tp_rank, ctx.tp_size)
+    if plan.lora is not None:  # the adapters (and anything left trainable), not the frozen base
+        model_state = trainable_state(model_state, plan.module)
     optim_pieces = plan.optimizer.pieces(model_state) if plan.optimizer is not None else []
     common_blob = _common_blob(plan, model_state) if ctx.rank == 0 else None
     if ctx.rank == 0:
@@ -295,6 +310,7 @@ def _manifest(plan: SavePlan, per_rank: list[dict]) -> dict:
         "optimizer_engine": None if opt is None else opt.kind,
         "has": {"optimizer": opt is not None, "scheduler": plan.scheduler is not None, "scaler": plan.scaler is not None},
         "aliases": per_rank[0]["aliases"], "tensors": tensors, "files": files,
+        **({"lora": plan.lora} if plan.lora is not None else {}),
         "bytes_written_per_rank": [r["bytes_written"] for r in per_rank],
     }
 

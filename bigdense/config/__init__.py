@@ -12,13 +12,13 @@ from ..errors import ConfigError
 from .keys import check_known_keys, check_override_keys, schema_keys, unknown_key_error
 from .registry import register_configs, run_dir_name
 from .schema import (
-    DataConfig, EngineConfig, HeadConfig, ModelConfig, OptimConfig, ParallelConfig, PlanConfig, PrecisionConfig,
+    DataConfig, EngineConfig, HeadConfig, LoRAConfig, ModelConfig, OptimConfig, ParallelConfig, PlanConfig, PrecisionConfig,
     PruneConfig, RecomputeConfig, TrainConfig, TrainerConfig,
 )
 from .validate import validate, validate_plan
 
 __all__ = [
     "ConfigError", "check_known_keys", "check_override_keys", "schema_keys", "unknown_key_error", "register_configs",
-    "run_dir_name", "DataConfig", "EngineConfig", "HeadConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
+    "run_dir_name", "DataConfig", "EngineConfig", "HeadConfig", "LoRAConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
     "PlanConfig", "PrecisionConfig", "PruneConfig", "RecomputeConfig", "TrainConfig", "TrainerConfig", "validate", "validate_plan",
 ]

@@ -46,7 +46,7 @@ class ModelConfig:
     # Its "hint" follows its name when a typo's closest key is this one (bigdense.config.keys).
     low_rank: Any = field(default=None, metadata={"hint": (
         "builds the named dense layers as low-rank pairs, as `python -m bigdense.compress` writes them, in their "
-        "place; it adds no adapters (bigdense has no LoRA: a fine-tune, model=hf, trains the model's own weights)")})
+        "place; it adds no adapters (low-rank adapters beside frozen layers are the lora group: lora.r=16)")})
     # model.name=hf: a directory written by transformers' save_pretrained (config.json, *.safetensors and,
     # when present, tokenizer.json, whose tokenizer then encodes the data)
     path: Optional[str] = None
@@ -54,6 +54,9 @@ class ModelConfig:
     # model.name=hf: the loss through bigdense's fused head (no whole logits), the model's logit transform found
     # and proved when it is converted (bigdense.models.hf_loss); false keeps its logits and F.cross_entropy.
     fused_loss: bool = True
+    # A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) that starts the run's adapters,
+    # to continue training it; its r, alpha, targets, dropout and rsLoRA replace the lora group's.
+    adapter: Optional[str] = None
 
 
 @dataclass
@@ -206,6 +209,24 @@ class PruneConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters beside frozen dense layers (`bigdense.layers.lora`, docs/lora.md); off while
+    ``r`` is 0 (full fine-tuning). With adapters only they train: the optimizer, gradients, clipping
+    and checkpoints hold the adapters (and their state) alone."""
+
+    r: int = 0  # the adapters' rank; 0: no adapters, every weight trains
+    alpha: Optional[float] = None  # the scale's numerator (PEFT's lora_alpha); null: r (scale 1)
+    dropout: float = 0.0  # dropout of the adapters' input (layout-free masks)
+    # module name patterns (PEFT's target_modules: 'q_proj', 'blocks.*.mlp.up') or 'all-linear': every linear
+    # layer but the output head (every attention and MLP projection)
+    targets: Any = "all-linear"
+    rslora: bool = False  # scale by alpha / sqrt(r) instead of alpha / r (rank-stabilised LoRA)
+    # the frozen base's dense weights held in this dtype: null keeps precision.dtype's parameters; "bf16" halves
+    # them (with precision=bf16, whose autocast computes in bf16 anyway) while the adapters stay fp32
+    base_dtype: Optional[str] = None
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
@@ -217,6 +238,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     prune: PruneConfig = field(default_factory=PruneConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass

@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 
 from ..checkpoint.format import CheckpointError, resolve_checkpoint
+from ..checkpoint.peft import CONFIG_FILE as PEFT_CONFIG_FILE
 from ..data.prepare import check_data
 from ..errors import ConfigError, check_choice, check_positive
 from ..layers.head.modes import SHARD_MODES
 from ..layers.init import INITIALIZERS
+from ..layers.lora import ALL_LINEAR, LoRASettings
 from ..layers.head.fused_ce import check_logit_options
 from ..layers.head.margin import resolve_margin
 from ..layers.mlp import ACTIVATIONS
@@ -67,6 +69,7 @@ def validate(cfg, world_size: int, device_type: str) -> ParallelDims:
     else:
         _validate_gpt_model(cfg, dims.tp, world_size)
     _validate_head(cfg)
+    _validate_lora(cfg)
     return dims
 
 
@@ -164,6 +167,36 @@ def _validate_head(cfg) -> None:
             check()
         except ValueError as err:
             raise ConfigError(f"{key}={getattr(head, key.split('.')[1])!r}: {err}") from None
+
+
+def _validate_lora(cfg) -> None:
+    """The ``lora`` group by the adapters' own rules (`LoRASettings`), ``model.adapter``'s directory,
+    and the combinations: a frozen base in the autocast dtype only, no pruning of frozen weights."""
+    lora, adapter = getattr(cfg, "lora", None), getattr(cfg.model, "adapter", None)
+    if lora is None:
+        return
+    if not isinstance(lora.r, int) or lora.r < 0:
+        raise ConfigError(f"lora.r must be 0 (no adapters) or a positive rank, got {lora.r!r}")
+    if adapter and not os.path.isfile(os.path.join(os.path.expanduser(str(adapter)), PEFT_CONFIG_FILE)):
+        raise ConfigError(f"model.adapter={adapter!r} is not a PEFT adapter directory (no {PEFT_CONFIG_FILE})")
+    if lora.r == 0 and not adapter:
+        return
+    if lora.r:
+        try:
+            LoRASettings(lora.r, float(lora.r if lora.alpha is None else lora.alpha), float(lora.dropout),
+                         bool(lora.rslora))
+        except ValueError as err:
+            raise ConfigError(str(err).replace("add_lora: ", "lora.")) from None
+        targets = lora.targets
+        if not (isinstance(targets, str) or (targets is not None and all(isinstance(t, str) for t in targets))):
+            raise ConfigError(f"lora.targets must be '{ALL_LINEAR}' or a list of module name patterns, got {targets!r}")
+    if lora.base_dtype is not None and lora.base_dtype != cfg.precision.dtype or lora.base_dtype == "fp32":
+        raise ConfigError(f"lora.base_dtype={lora.base_dtype!r} holds the frozen weights in the compute dtype of "
+                          f"precision={cfg.precision.dtype} (autocast): set it to null, or use precision="
+                          f"{lora.base_dtype}")
+    if float(cfg.prune.sparsity) > 0:
+        raise ConfigError("prune.sparsity > 0 prunes the weights that train; with adapters (lora.r > 0 or "
+                          "model.adapter) they are frozen: prune a full fine-tune, or leave prune.sparsity=0")
 
 
 def validate_plan(plan) -> None:

@@ -8,7 +8,9 @@ bigdense.compress`, the memory planner's measurement).
 2. The starting weights, loaded into the plain model before an engine takes copies of them
    (DeepSpeed's fp32 masters): ``init_from`` (a checkpoint of any layout), else a Hugging Face
    model's own directory (`load_hf_weights`, each rank reading its shards; a model built on the
-   meta device is allocated first). Then frozen embeddings (``model.freeze_embeddings``), and a
+   meta device is allocated first). Then low-rank adapters (the ``lora`` group, or ``model.adapter``'s
+   PEFT directory: `apply_adapters`), which freeze the base, frozen embeddings
+   (``model.freeze_embeddings``), and a
    `CausalLM`'s loss path (`CausalLM.prepare_loss`: the fused head, its logit transform proved on
    a probe batch, or the gathered logits and why; logged), on the weights just loaded or, for a
    resumed run whose checkpoint comes later, on placeholder weights.
@@ -35,13 +37,16 @@ import torch.nn as nn
 from ..checkpoint import CheckpointMismatch, load_checkpoint
 from ..checkpoint.hf_import import load_hf_weights
 from ..errors import ConfigError
-from ..layers.base import TensorParallelModule, allocate_empty
+from ..checkpoint.peft import load_peft_adapter
+from ..layers.base import TensorParallelModule, allocate_empty, global_numel
+from ..layers.lora import adapted_layers, add_lora, cast_frozen_weights_, lora_settings
 from ..models import CausalLM
 from ..parallel.context import ParallelContext
 from ..parallelize import parallelize
 from ..train.checkpointing import model_changes
 from ..train.compile import apply_compile
 from ..train.engines import Engine, EngineSettings, build_engine
+from ..train.precision import DTYPES
 from ..train.recompute import apply_recompute
 
 log = logging.getLogger("bigdense")
@@ -76,6 +81,7 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext, cfg, *, init_from:
         unused = load_hf_weights(model, model.pretrained)
         log.info("model weights from %s%s", model.pretrained, f" ({len(unused)} stored tensors unused: "
                  f"{unused[:4]})" if unused else "")
+    apply_adapters(model, cfg)
     if getattr(cfg.model, "freeze_embeddings", False):
         log.info("frozen (model.freeze_embeddings): %s", ", ".join(model.freeze_embeddings()))
     if isinstance(model, CausalLM):  # (a resumed run's checkpoint is read later: placeholder weights meanwhile)
@@ -91,6 +97,41 @@ def parallelize_model(model: nn.Module, ctx: ParallelContext, cfg, *, init_from:
         apply_recompute(blocks, cfg.recompute)
     apply_compile(model, cfg.trainer.compile, cfg.trainer.compile_backend, stage="after_recompute")
     return Parallelized(model, build_engine(model, ctx, EngineSettings.from_run_config(cfg)) if engine else None)
+
+
+def adapters_wanted(cfg) -> bool:
+    """The run trains low-rank adapters (``lora.r`` > 0 or ``model.adapter``): its base is frozen and
+    its checkpoints do not hold it, so a resumed run loads the base as a fresh one does."""
+    lora = getattr(cfg, "lora", None)
+    return bool(getattr(cfg.model, "adapter", None)) or (lora is not None and int(lora.r) > 0)
+
+
+def apply_adapters(model: nn.Module, cfg) -> None:
+    """Give ``model`` the run's adapters, the base frozen (`bigdense.layers.lora`): ``model.adapter``'s
+    PEFT directory (its settings and weights, to continue training it), else the ``lora`` group's
+    fresh ones; the frozen base's dense weights cast to ``lora.base_dtype``. Logs what trains."""
+    if not adapters_wanted(cfg):
+        return
+    lora = cfg.lora
+    if getattr(cfg.model, "adapter", None):
+        settings = load_peft_adapter(model, cfg.model.adapter)
+        source = f"from {cfg.model.adapter}"
+    else:
+        add_lora(model, r=int(lora.r), alpha=lora.alpha, targets=_targets(lora.targets), dropout=float(lora.dropout),
+                 rslora=bool(lora.rslora))
+        settings, source = lora_settings(next(iter(adapted_layers(model).values()))), "new"
+    if lora.base_dtype:
+        cast_frozen_weights_(model, DTYPES[lora.base_dtype])
+    trainable, total = global_numel(model, trainable_only=True), global_numel(model)
+    log.info("adapters (%s): r=%d alpha=%g dropout=%g%s on %d layers; trainable %s of %s parameters (%.2f%%)%s",
+             source, settings.r, settings.alpha, settings.dropout, ", rsLoRA" if settings.rslora else "",
+             len(adapted_layers(model)), f"{trainable:,}", f"{total:,}", 100.0 * trainable / max(total, 1),
+             f"; frozen dense weights in {lora.base_dtype}" if lora.base_dtype else "")
+
+
+def _targets(targets):
+    """``lora.targets`` as `add_lora` takes it (a Hydra list becomes a plain one)."""
+    return targets if targets is None or isinstance(targets, str) else [str(t) for t in targets]
 
 
 def _load_starting_weights(init_from: str, model: nn.Module, cfg):

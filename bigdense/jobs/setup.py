@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.format import LATEST, RUN_CHECKPOINTS, read_manifest, resolve_checkpoint
-from ..checkpoint.hf_export import RUN_HF
+from ..checkpoint.hf_files import RUN_HF
 from ..config import validate
 from ..models.hf_dir import HFDirectory
 from ..parallel.context import ParallelContext, ParallelDims, init_parallel

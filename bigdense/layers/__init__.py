@@ -8,6 +8,7 @@ from .head import LossMetrics, ParallelClassifierHead, collect_loss_metrics, fus
 from .tying import tie_weights
 from .init import INITIALIZERS, Initializer
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .lora import add_lora, merge_lora_
 from .mlp import ParallelMLP
 from .norm import LayerNorm, RMSNorm
 
@@ -16,5 +17,5 @@ __all__ = [
     "ColumnParallelConv1D", "RowParallelConv1D",
     "ParallelMLP", "VocabParallelEmbedding", "ParallelClassifierHead", "fused_cross_entropy", "collect_loss_metrics",
     "LossMetrics", "tie_weights", "ShardedDropout",
-    "LayerNorm", "RMSNorm", "ShardedBatchNorm1d",
+    "LayerNorm", "RMSNorm", "ShardedBatchNorm1d", "add_lora", "merge_lora_",
 ]

@@ -311,11 +311,12 @@ def named_shard_specs(module: nn.Module) -> dict[str, ShardSpec]:
     return specs
 
 
-def global_numel(module: nn.Module) -> int:
-    """Parameters of ``module`` as if unsharded: each sharded one by its global shape, a tied one once."""
+def global_numel(module: nn.Module, trainable_only: bool = False) -> int:
+    """Parameters of ``module`` as if unsharded: each sharded one by its global shape, a tied one
+    once; ``trainable_only``: those that require a gradient."""
     specs, seen, total = named_shard_specs(module), set(), 0
     for name, p in module.named_parameters():  # a tied parameter is yielded once
-        if id(p) not in seen:
+        if id(p) not in seen and (p.requires_grad or not trainable_only):
             seen.add(id(p))
             total += math.prod(specs[name].global_shape) if name in specs else p.numel()
     return total

@@ -28,6 +28,7 @@ from ..parallel.sharding import shard_range, shard_sizes
 from ..errors import check_positive_int
 from .base import TensorParallelModule, refuse_options
 from .init import InitSpec, init_bias_, resolve_init
+from .lora import column_delta, lora_settings, row_delta
 
 
 class _ParallelLinear(TensorParallelModule):
@@ -128,6 +129,7 @@ class ColumnParallelLinear(_ParallelLinear):
     """
 
     _split_dim = 0
+    lora_kind = "column"  # how a low-rank adapter is split beside it (`bigdense.layers.lora`)
 
     def __init__(
         self,
@@ -158,7 +160,10 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:
         what = "this rank's share of the sequence" if self.sequence_parallel else "replicated on every TP rank"
         self._check_input(x, self.in_features, f"in_features, {what}", self.weight)
-        (y,) = column_parallel_linear(x, [(self._linear_weight(), self.bias)], self._comm(x, seq_len))
+        comm_cfg = self._comm(x, seq_len)
+        (y,) = column_parallel_linear(x, [(self._linear_weight(), self.bias)], comm_cfg)
+        if lora_settings(self) is not None:  # a low-rank adapter (`bigdense.layers.lora`)
+            y = y + column_delta(self, x, comm_cfg.seq_sizes)
         if self.gather_output:
             y = gather_from_tp(y, self.tp_group, self.partition_sizes)
         return y
@@ -182,6 +187,7 @@ class RowParallelLinear(_ParallelLinear):
     """
 
     _split_dim = 1
+    lora_kind = "row"
 
     def __init__(
         self,
@@ -224,4 +230,6 @@ class RowParallelLinear(_ParallelLinear):
             # Each rank adds the bias to its share only: its gradient is partial over TP.
             y = reduce_scatter_to_sequence(y, self.tp_group)
             bias = None if self.bias is None else with_partial_grad(self.bias, self.tp_group)
+        if lora_settings(self) is not None:  # a low-rank adapter (`bigdense.layers.lora`)
+            y = y + row_delta(self, x, self.partition_start)
         return y if bias is None else y + bias.to(y.dtype)

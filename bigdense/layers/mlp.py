@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ..parallel.regions import ColumnComm, column_parallel_linear
 from .base import TensorParallelModule, copy_flags, refuse_options, sequence_dropout
 from .init import InitSpec
+from .lora import column_delta, lora_settings
 from .linear import ColumnParallelLinear, RowParallelLinear
 
 ACTIVATIONS = ("gelu", "relu", "swiglu")
@@ -98,7 +99,8 @@ class ParallelMLP(TensorParallelModule):
         plain = [layer for layer in layers if type(layer) is ColumnParallelLinear]
         comm_cfg = ColumnComm(self.tp_group, shares, self.overlap_comm)
         entered = column_parallel_linear(x, [(p.weight, p.bias) for p in plain], comm_cfg) if plain else ()
-        outputs = dict(zip(map(id, plain), entered))
+        outputs = {id(layer): y if lora_settings(layer) is None else y + column_delta(layer, x, shares)
+                   for layer, y in zip(plain, entered)}  # (low-rank adapters: `bigdense.layers.lora`)
         # A replacement (a `bd.low_rank` pair, which enters the region itself, with fewer features)
         # is called as a module.
         hidden, *gate = [outputs[id(layer)] if id(layer) in outputs else layer(x) for layer in layers]

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..layers.base import TensorParallelModule
+from ..layers.lora import column_delta, lora_settings, row_delta
 from ..parallel import comm
 from ..parallel.sharding import ShardSpec
 from .styles import Style, StyleError
@@ -42,10 +43,17 @@ class ShardedInPlace(TensorParallelModule):
         style = self.bd_style
         if style is None:
             return super().forward(*args, **kwargs)
+        raw = args
         args, kwargs, state = style.enter(self, args, kwargs)
         with _in_place_of_parameters(self, style.parameters(self)):
             output = super().forward(*args, **kwargs)
-        return style.leave(self, output, state)
+        if lora_settings(self) is None:
+            return style.leave(self, output, state)
+        # A low-rank adapter (`bigdense.layers.lora`): a column's from the input as it came, added to
+        # this rank's output features; a row's from this rank's input features, after the reduction.
+        if style.name == "column":
+            return style.leave(self, output + column_delta(self, raw[0]), state)
+        return style.leave(self, output, state) + row_delta(self, args[0], self.shard_spec("weight").start)
 
     def bd_partial_grad_params(self) -> list:
         """Replicated parameters whose gradient is partial over TP (`bigdense.parallel.partial_grads`)."""

@@ -52,19 +52,37 @@ def layout_of(cfg, plan, devices: int) -> Layout:
 
 
 def meta_gpt(cfg):
-    """The reference GPT of ``cfg.model`` on the meta device (global shapes, nothing allocated)."""
+    """The reference GPT of ``cfg.model`` on the meta device (global shapes, nothing allocated),
+    with the run's adapters (`with_adapters`)."""
     from ..models import GPT, GPTConfig
 
     with torch.device("meta"):
-        return GPT(GPTConfig.from_config(cfg.model, int(cfg.data.vocab_size)))
+        model = GPT(GPTConfig.from_config(cfg.model, int(cfg.data.vocab_size)))
+    return with_adapters(model, cfg)
 
 
 def meta_hf(cfg):
     """``model=hf``: the Hugging Face causal LM of ``model.path`` on the meta device, in the job's
     `CausalLM`, its embeddings frozen with ``model.freeze_embeddings``, its loss on the fused path
-    unless ``model.fused_loss=false`` (only config.json is read)."""
-    return meta_causal_lm(cfg.model.path, freeze_embeddings=bool(cfg.model.freeze_embeddings),
-                          fused_loss=bool(cfg.model.fused_loss))
+    unless ``model.fused_loss=false``, with the run's adapters (`with_adapters`; only config.json
+    is read, and a ``model.adapter`` directory's adapter_config.json)."""
+    model = meta_causal_lm(cfg.model.path, fused_loss=bool(cfg.model.fused_loss))
+    model = with_adapters(model, cfg)
+    if cfg.model.freeze_embeddings:  # after the adapters, as the job freezes them
+        model.freeze_embeddings()
+    return model
+
+
+def with_adapters(model, cfg):
+    """``model`` (on the meta device) given the run's low-rank adapters by the job's own
+    `apply_adapters` (``lora.r`` > 0 or ``model.adapter``: factors added, the base frozen, its
+    weights cast to ``lora.base_dtype``); unchanged without. The meta model of a Hugging Face
+    fine-tune is not converted, so its adapters sit on plain layers: `bigdense.plan.count` splits
+    them as they split on the converted layers at the planned TP size."""
+    from ..jobs.parallelize import apply_adapters
+
+    apply_adapters(model, cfg)
+    return model
 
 
 def meta_model(cfg):
@@ -80,31 +98,32 @@ def _overhead_gb(plan) -> float:
 
 def step_time(est: Estimate, model_shape, plan) -> float:
     """A rough step time for ranking layouts: matmul FLOPs at ``plan.tflops`` plus ring all-reduces
-    (TP: the residual stream, 4 per block per micro-batch plus recompute's, each ring step paying
+    (TP: `Estimate.tp_collective_bytes`, the residual stream's 4 per block per micro-batch plus
+    recompute's and the adapters' (tokens, r), each ring step of the stream's paying
     ``plan.latency_us``, so fewer, larger micro-batches win ties; DP: the gradients)."""
     lay = est.layout
     rate = (plan.tflops_fp32 if lay.precision == "fp32" else plan.tflops) * 1e12
     compute = est.flops_per_step / rate
-    stream = lay.micro_batch_size * model_shape.seq_len * model_shape.d_model * lay.compute_bytes
     per_block = 4 + {"none": 0, "mlp": 1, "full": 2, "every_k": 2 / lay.recompute_every}[lay.recompute]
-    tp_bytes = (per_block * model_shape.n_layers + 2) * stream * lay.grad_accum
     tp_calls = (per_block * model_shape.n_layers + 2) * lay.grad_accum * 2 * (lay.tp - 1)  # ring steps
-    tp_time = 2 * (lay.tp - 1) / lay.tp * tp_bytes / (plan.tp_gbps * 1e9) + tp_calls * plan.latency_us * 1e-6
+    tp_time = 2 * (lay.tp - 1) / lay.tp * est.tp_collective_bytes / (plan.tp_gbps * 1e9) \
+        + tp_calls * plan.latency_us * 1e-6
     return compute + tp_time + _dp_bytes(est) / (plan.dp_gbps * 1e9)
 
 
 def _dp_bytes(est: Estimate) -> float:
-    """Bytes one rank moves over DP per step: a ring all-reduce of the fp32 gradients (DDP,
-    DeepSpeed); FSDP: an all-gather of the parameters in the compute dtype in each micro-batch's
+    """Bytes one rank moves over DP per step: a ring all-reduce of the fp32 gradients of the
+    parameters that train (DDP, DeepSpeed); FSDP: an all-gather of the parameters in the compute dtype in each micro-batch's
     forward (and backward, when it reshards after the forward), one reduce-scatter of the fp32
     gradients, and with HSDP a ring all-reduce of the gradient shards over the replicas."""
     lay = est.layout
     if lay.engine != "fsdp":
-        return 2 * (lay.dp - 1) / lay.dp * est.params_per_rank * 4
-    ws, replicas, shard = lay.dp_shard, lay.dp_replicate, est.params_per_rank  # fsdp: shard elements
+        return 2 * (lay.dp - 1) / lay.dp * est.trainable_per_rank * 4
+    ws, replicas = lay.dp_shard, lay.dp_replicate
+    shard, trained = est.params_per_rank, est.trainable_per_rank  # fsdp: shard elements
     gathers = (2 if lay.reshard_after_forward else 1) * lay.grad_accum
-    ring = (ws - 1) * shard  # elements through a rank in one ring all-gather or reduce-scatter
-    return ring * (gathers * lay.param_bytes + 4) + 2 * (replicas - 1) / replicas * shard * 4
+    # elements through a rank in one ring all-gather (every parameter) or reduce-scatter (those that train)
+    return (ws - 1) * (shard * gathers * lay.param_bytes + trained * 4) + 2 * (replicas - 1) / replicas * trained * 4
 
 
 def estimate_config(cfg, plan, layout: Optional[Layout] = None, model=None) -> Estimate:

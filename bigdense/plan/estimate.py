@@ -35,11 +35,12 @@ from typing import Mapping, Optional
 
 import torch.nn as nn
 
+from ..layers.lora import lora_settings
 from ..models import CausalLM
 from ..models.gpt import GPT
-from .count import count_per_rank, param_entries
+from .count import bytes_per_rank, count_per_rank, param_entries
 from .fsdp import FSDPMemory, fsdp_units
-from .gpt import GPTMemory, GPTShape
+from .gpt import GPTAdapters, GPTMemory, GPTShape
 from .hf import HFMemory, HFShape, is_causal_lm
 from .layout import Layout
 
@@ -55,12 +56,15 @@ class Estimate:
     total_params: int  # unsharded, each tied weight once
     params_per_rank: int  # elements a rank holds: its TP shard (FSDP: its padded DP shard of that)
     bytes_per_rank: dict  # category -> bytes
+    trainable_params: int = 0  # unsharded, of those that train (low-rank adapters: theirs alone)
+    trainable_per_rank: int = 0  # of `params_per_rank`, those that train
     phases: dict = field(default_factory=dict)  # moment of the step -> bytes alive
     peak_bytes: int = 0  # tensors alive at the worst moment (what max_memory_allocated reports)
     peak_phase: str = ""
     overhead_bytes: int = 0
     flops_per_step: float = 0.0  # per rank
     activations_per_layer: list = field(default_factory=list)  # [(name, bytes)]
+    tp_collective_bytes: float = 0.0  # per step per rank: the TP collectives' tensors (`tp_collective_bytes`)
     step_time_s: Optional[float] = None
 
     @property
@@ -79,13 +83,17 @@ class Estimate:
 
     def table(self, device_bytes: Optional[float] = None) -> str:
         """The per-rank memory table printed by ``python -m bigdense.plan``."""
-        rows = [("parameters", f"{self.params_per_rank:,} of {self.total_params:,}", "")]
+        rows = [("parameters", f"{self.params_per_rank:,} of {self.total_params:,}", ""),
+                ("trainable", f"{_short(self.trainable_params)} of {_short(self.total_params)} "
+                 f"({100 * self.trainable_params / max(self.total_params, 1):.2f}%)", "")]
         rows += [(k, f"{v / GiB:9.3f} GiB", "") for k, v in self.bytes_per_rank.items()]
         rows += [(f"peak ({self.peak_phase})", f"{self.peak_bytes / GiB:9.3f} GiB", ""),
                  ("total (peak + overhead)", f"{self.total_bytes / GiB:9.3f} GiB",
                   "" if device_bytes is None else f"of {device_bytes / GiB:.1f} GiB: "
                   + ("fits" if self.fits(device_bytes) else "DOES NOT FIT")),
                  ("FLOPs per step per rank", f"{self.flops_per_step:.3e}", "")]
+        if self.layout.tp > 1 and self.tp_collective_bytes:
+            rows.append(("TP collectives per step", f"{self.tp_collective_bytes / GiB:9.3f} GiB", ""))
         width = max(len(r[0]) for r in rows)
         lines = [f"per rank, {' '.join(self.layout.overrides())}"]
         lines += [f"  {name:<{width}}  {value}  {note}".rstrip() for name, value, note in rows]
@@ -96,6 +104,15 @@ class Estimate:
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)
+
+
+def _short(n: int) -> str:
+    """A parameter count as people write it: 1.2M, 124M, 7.0B."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
+    return str(n)
 
 
 def _state_bytes(params: int, trainable: int, largest: int, layout: Layout) -> dict:
@@ -147,6 +164,47 @@ def model_shape(model: nn.Module, seq_len: int):
     return HFShape.from_config((model.lm if isinstance(model, CausalLM) else model).config, seq_len) if kind else None
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """A low-rank adapter of one layer as the estimate reads it (`bigdense.layers.lora`): the
+    layer's name, its rank, its input dropout, and whether it is split over TP at the planned size
+    (then the adapter adds one collective of tokens x r per micro-batch)."""
+
+    layer: str
+    r: int
+    dropout: float
+    split: bool
+
+
+def adapters(model: nn.Module, entries, tp: int) -> list[Adapter]:
+    """The adapters of ``model`` (whose parameters are ``entries``, `param_entries` at ``tp``)."""
+    split = {e.name for e in entries if e.split_dim is not None and tp > 1}
+    names = {id(m): n for n, m in model.named_modules()}  # as `entries` name them
+    out = []
+    for module in model.modules():
+        settings = lora_settings(module)
+        if settings is not None:
+            name = names[id(module)]
+            factors = (f"{name}.lora_A.weight", f"{name}.lora_B.weight")
+            out.append(Adapter(name, settings.r, settings.dropout, any(f in split for f in factors)))
+    return out
+
+
+def tp_collective_bytes(shape, layout: Layout, adapters_: list[Adapter] = ()) -> float:
+    """Bytes of the tensors one rank's TP collectives carry in a step (each ring moves ``2 (tp - 1) / tp``
+    of it): the residual stream, 4 per block per micro-batch plus recompute's forward repeats, and
+    the embedding's and head's 2; each split adapter's (tokens, r) per micro-batch (its recompute
+    repeat not counted); at the compute width. Under sequence parallelism the all-gathers and
+    reduce-scatters carry the same."""
+    if layout.tp == 1:
+        return 0.0
+    tokens = layout.micro_batch_size * shape.seq_len
+    per_block = 4 + {"none": 0, "mlp": 1, "full": 2, "every_k": 2 / layout.recompute_every}[layout.recompute]
+    stream = (per_block * shape.n_layers + 2) * tokens * shape.d_model
+    low_rank = sum(tokens * a.r for a in adapters_ if a.split)
+    return (stream + low_rank) * layout.compute_bytes * layout.grad_accum
+
+
 def activation_model(model: nn.Module, seq_len: Optional[int], layout: Layout, entries) -> Optional[object]:
     """The activation model of ``model``'s kind: `GPTMemory`, `HFMemory` (``model=hf``), or None
     (parameters, gradients and optimizer state only). Each answers ``moments``, ``categories``,
@@ -154,7 +212,7 @@ def activation_model(model: nn.Module, seq_len: Optional[int], layout: Layout, e
     head's forward). ``entries``: ``model``'s `param_entries`."""
     kind = _kind(model) if seq_len else None
     if kind == "gpt":
-        return GPTMemory(model_shape(model, seq_len), layout)
+        return GPTMemory(model_shape(model, seq_len), layout, GPTAdapters.of(model, entries, layout.tp))
     return HFMemory.of(model, seq_len, layout, entries) if kind == "hf" else None
 
 
@@ -186,15 +244,19 @@ def estimate(
     entries = param_entries(model, plan, layout.tp)
     per_rank = count_per_rank(entries, layout.tp)
     trainable = max(count_per_rank(entries, layout.tp, trainable_only=True))
-    largest = max((e.local_numel(layout.tp, 0) for e in entries), default=0)
+    largest = max((e.local_numel(layout.tp, 0) for e in entries if e.trainable), default=0)
     params = max(per_rank)
     memory = activation_model(model, seq_len, layout, entries)
     in_head = memory is not None and memory.loss_in_head  # FSDP keeps the head's unit gathered through the loss
     fsdp = FSDPMemory(fsdp_units(model, entries, layout), layout, loss_in_head=in_head) \
         if layout.engine == "fsdp" else None
     states = fsdp.state_bytes() if fsdp else _state_bytes(params, trainable, largest, layout)
+    if not fsdp:  # a frozen base held narrower (lora.base_dtype) counts at its own width
+        states["params"] = max(bytes_per_rank(entries, layout.tp, layout.param_bytes))
     cats = {k: states[k] for k in ("params", "grads", "optimizer")}
     est = Estimate(layout, sum(e.numel for e in entries), fsdp.shard_numel() if fsdp else params, cats,
+                   trainable_params=sum(e.numel for e in entries if e.trainable),
+                   trainable_per_rank=fsdp.trainable_shard_numel() if fsdp else trainable,
                    overhead_bytes=int(overhead_gb * GiB))
 
     base = states["params"] + states["optimizer"] + states["buckets"]
@@ -211,6 +273,7 @@ def estimate(
         cats["comm_buffers"] = states["buckets"] + cats.pop("comm_buffers")  # after the activations, as printed
         est.activations_per_layer = [(n, int(b)) for n, b in memory.per_layer()]
         est.flops_per_step = memory.flops_per_micro_batch() * layout.grad_accum
+        est.tp_collective_bytes = tp_collective_bytes(model_shape(model, seq_len), layout, adapters(model, entries, layout.tp))
     if fsdp is not None:
         cats["fsdp_gathered"] = fsdp.gathered_peak()
     cats["overhead"] = est.overhead_bytes

@@ -177,6 +177,10 @@ class FSDPMemory:
         """Parameter elements one rank stores (its padded shards)."""
         return sum(u.shard for u in self.units)
 
+    def trainable_shard_numel(self) -> int:
+        """Of `shard_numel`, the elements that train."""
+        return sum(u.trainable_shard for u in self.units)
+
     def persistent_grads(self) -> int:
         """Gradients alive through a micro-batch's forward: the unsharded fp32 ones accumulated by
         the micro-batches before it (``grad_accum`` > 1), else none (the sharded ones are cleared)."""

@@ -29,6 +29,20 @@ Per block, what stays for the backward:
 
 Sequence parallelism divides the replicated-region terms (norm outputs and the column projections'
 saved inputs, residuals, masks) by tp; the head then gathers the final hidden states (``u``).
+
+Low-rank adapters (`bigdense.layers.lora`, `GPTAdapters`), the rest of the model frozen: each
+adapted layer keeps ``z = A x`` (``t*r`` at the compute width; a row layer's under SP ``t*r/tp``)
+and its input, which is the input the layer keeps anyway, except under autocast, where the
+adapter casts its own copy of a column layer's input (``u/rep`` at ``c``; row layers are given
+their input at ``c`` already); with adapter dropout > 0 also its mask (1 byte) and, for a column
+layer, the dropped input (at ``c`` under autocast, else its width: a frozen row layer keeps no
+input of its own, so the dropped one replaces it). A frozen row layer without an adapter keeps no
+input (``out``'s ``u/tp``, ``down``'s ``hid/tp`` unless ReLU keeps it). Not followed: layers before
+the first adapter, which need no gradient, are counted as trained (but the embedding's output).
+The frozen embedding's output needs no gradient,
+so the first block's norm keeps none of it (no ``embedding`` row), and the first block's column
+layers keep no cast of their own beside the adapters'. The head's weight and the down projection's
+form no gradient; autocast's cache keeps the factors' compute-width copies.
 """
 from __future__ import annotations
 
@@ -38,6 +52,41 @@ from typing import Optional
 
 from .fused_head import FusedHeadMemory
 from .layout import Layout
+
+
+@dataclass(frozen=True)
+class GPTAdapters:
+    """The low-rank adapters of a reference GPT (`bigdense.layers.lora`) as its activation model
+    reads them: their rank and dropout, per block the adapted layers as ``(name in the block, kind,
+    in_features, elements of the factors on the largest rank)`` (kind ``"column"`` or ``"row"``), and which of
+    the parameters the activations depend on train (under adapters none: the base is frozen)."""
+
+    r: int
+    dropout: float
+    blocks: tuple  # per block: ((name, kind, in_features, factor elements), ...)
+    embedding_trains: bool = False
+    head_trains: bool = False
+    down_trains: bool = False
+
+    @classmethod
+    def of(cls, model, entries, tp: int) -> Optional["GPTAdapters"]:
+        """``model``'s adapters (its parameters: ``entries``, `param_entries` at ``tp``), or None."""
+        from ..layers.lora import adapted_kind, adapted_layers, lora_settings
+
+        layers = adapted_layers(model)
+        if not layers:
+            return None
+        sizes = {e.name: e.local_numel(tp, 0) for e in entries}
+        blocks = []
+        for i in range(len(model.blocks)):
+            prefix = f"blocks.{i}."
+            blocks.append(tuple((n[len(prefix):], adapted_kind(m).kind, adapted_kind(m).in_features,
+                                 sizes[f"{n}.lora_A.weight"] + sizes[f"{n}.lora_B.weight"])
+                                for n, m in layers.items() if n.startswith(prefix)))
+        settings = lora_settings(next(iter(layers.values())))
+        down = getattr(model.blocks[0].mlp, "down", None)
+        return cls(settings.r, settings.dropout, tuple(blocks), model.tok_emb.weight.requires_grad,
+                   model.head.weight.requires_grad, down is not None and down.weight.requires_grad)
 
 
 @dataclass(frozen=True)
@@ -77,8 +126,8 @@ class GPTMemory:
 
     loss_in_head = True  # the fused head computes the loss inside its forward
 
-    def __init__(self, shape: GPTShape, layout: Layout):
-        self.shape, self.layout = shape, layout
+    def __init__(self, shape: GPTShape, layout: Layout, adapters: Optional[GPTAdapters] = None):
+        self.shape, self.layout, self.adapters = shape, layout, adapters
         b, s, d, tp = layout.micro_batch_size, shape.seq_len, shape.d_model, layout.tp
         self.u = b * s * d
         self.hid = b * s * shape.d_hidden
@@ -127,8 +176,42 @@ class GPTMemory:
             return 0
         return (self.shape.d_model + self.shape.d_hidden) * self.shape.d_model / self.layout.tp * self.c
 
-    def block_bytes(self) -> float:
-        return self.attention_bytes() + self.mlp_bytes()
+    def block_bytes(self, index: int = 1) -> float:
+        return self.attention_bytes() + self.mlp_bytes() + self.adapter_bytes(index)
+
+    def adapter_bytes(self, index: int) -> float:
+        """What block ``index``'s adapters keep beyond its layers (see the module docstring)."""
+        lora = self.adapters
+        if lora is None:
+            return 0
+        c, tp, out = self.c, self.layout.tp, 0.0
+        for n, (_, kind, in_features, _) in enumerate(lora.blocks[index]):
+            column = kind == "column"
+            # Its input: a column layer's the block's (this rank's share under SP), a row layer's
+            # this rank's input features of every token.
+            inputs = self.u / self.rep if column else self.tokens * in_features / tp
+            out += self.tokens * lora.r * c / (1 if column else self.rep)  # z (a column's gathered under SP)
+            # Under autocast a column adapter casts its own copy of the input; in the first block the
+            # attention's input needs no gradient, so the layer keeps no cast beside it.
+            first_input = index == 0 and n == 0 and not lora.embedding_trains
+            if column and self.layout.autocast and not first_input:
+                out += inputs * c
+            if lora.dropout > 0:  # the mask; a column layer's base keeps its input beside the dropped one
+                out += inputs * (1 + ((c if self.layout.autocast else self.f) if column else 0))
+        # A frozen row layer with no adapter keeps no input (its weight forms no gradient): the
+        # attention's output, and the MLP's hidden product unless the activation keeps it (ReLU).
+        adapted = {name for name, *_ in lora.blocks[index]}
+        if "attn.out" not in adapted:
+            out -= self.u / tp * c
+        if "mlp.down" not in adapted and self.shape.activation != "relu":
+            out -= self.hid / tp * c
+        return out
+
+    def adapter_cache_bytes(self) -> float:
+        """autocast's compute-width copies of every adapter factor, cached through the forward."""
+        if self.adapters is None or not self.layout.autocast:
+            return 0
+        return sum(numel for block in self.adapters.blocks for *_, numel in block) * self.c
 
     def _recomputed(self, index: int) -> bool:
         mode = self.layout.recompute
@@ -139,20 +222,21 @@ class GPTMemory:
         out = self.u * self.f / self.rep  # the block's output (the next block's, or the final norm's, input)
         if self._recomputed(index):
             return out
-        if self.layout.recompute == "mlp":
-            return self.attention_bytes() + self.u * self.f / self.rep + out  # the MLP's input instead of its insides
-        return self.block_bytes()
+        if self.layout.recompute == "mlp":  # the MLP's input instead of its insides
+            return self.attention_bytes() + self.u * self.f / self.rep + out + self.adapter_bytes(index)
+        return self.block_bytes(index)
 
     def per_layer(self) -> list[tuple[str, float]]:
         """``[(name, bytes kept through the forward)]``: embedding, each block, final norm output."""
         f = self.u * self.f / self.rep
-        rows = [("embedding", f + self._mask())]
+        frozen = self.adapters is not None and not self.adapters.embedding_trains  # nothing keeps its output
+        rows = [("embedding", 0 if frozen else f + self._mask())]
         rows += [(f"blocks.{i}", self.stored_block_bytes(i)) for i in range(self.shape.n_layers)]
         return rows + [("ln_f", self.u * self.n / self.rep)]
 
     def stored_bytes(self) -> float:
         """Activations alive at the end of the forward, autocast's weight copies included."""
-        cache = self.shape.n_layers * self.weight_cache_bytes()  # the whole forward's, until autocast exits
+        cache = self.shape.n_layers * self.weight_cache_bytes() + self.adapter_cache_bytes()  # until autocast exits
         return sum(b for _, b in self.per_layer()) + cache
 
     def backward_block_bytes(self) -> float:
@@ -162,10 +246,11 @@ class GPTMemory:
         final norm's output, the block's output and its last dropout mask are freed -- or, with
         explicit attention probabilities, two ``s x s`` gradients and two of the stream in fp32."""
         tp, c = self.layout.tp, self.c
-        recomputed = self.block_bytes() if self.layout.recompute != "none" else 0
+        recomputed = self.block_bytes(0) if self.layout.recompute != "none" else 0
         stream = self.u * self.f / self.rep
         freed = self.u * self.n / self.rep + stream + self._mask()
-        down = self.hid / tp * c + self.shape.d_hidden * self.shape.d_model / tp * c
+        down_trains = self.adapters is None or self.adapters.down_trains
+        down = self.hid / tp * c + (self.shape.d_hidden * self.shape.d_model / tp * c if down_trains else 0)
         mlp = down + stream * (2 if self.shape.dropout > 0 else 1) - freed
         attention = 2 * self.p2 * c + 2 * self.u * 4 if self.explicit_attention() else mlp
         return recomputed + max(mlp, attention)
@@ -177,7 +262,8 @@ class GPTMemory:
         return FusedHeadMemory.of_vocabulary(
             sh.vocab_size, lay.tp, tokens=self.tokens, d_model=sh.d_model, compute_bytes=self.c, input_bytes=self.n,
             param_bytes=lay.param_bytes, device_type=lay.device_type, precision=lay.precision,
-            chunk_size=sh.head_chunk_size, sequence_parallel=lay.sequence_parallel, softcap=bool(sh.softcap))
+            chunk_size=sh.head_chunk_size, sequence_parallel=lay.sequence_parallel, softcap=bool(sh.softcap),
+            weight_grad=self.adapters is None or self.adapters.head_trains)
 
     def head_bytes(self) -> dict[str, float]:
         """The fused vocab-parallel CE's working set: gradients formed in the forward, plus the
@@ -214,7 +300,8 @@ class GPTMemory:
     def tied_gradient_bytes(self, param_bytes: int) -> float:
         """At the end of the backward, with the head tied to the embedding: the embedding's dense
         gradient and its sum with the head's, beside the head's (the largest rank's shard)."""
-        return 2 * self.head_weight_gradient_bytes(param_bytes) if self.shape.tie_embeddings else 0
+        trains = self.adapters is None or self.adapters.embedding_trains
+        return 2 * self.head_weight_gradient_bytes(param_bytes) if self.shape.tie_embeddings and trains else 0
 
     def categories(self) -> dict[str, float]:
         """The activation rows of the memory table."""

@@ -142,6 +142,8 @@ class HFLayer:
     cached_attention: int  # elements of this rank's attention matrices autocast casts and keeps
     cached_mlp: int  # the same of the MLP's
     trainable: int  # elements of this rank's trainable parameters (their gradients)
+    low_rank: int = 0  # elements of z = A x per token of its adapters (`bigdense.layers.lora`): the sum of their r
+    frozen: bool = False  # its own weights (norms, projections) form no gradient (the base under adapters)
 
     @classmethod
     def read(cls, block: nn.Module, name: str, entries: dict, tp: int) -> "HFLayer":
@@ -157,10 +159,15 @@ class HFLayer:
             return sum(e.local_numel(tp, 0) for k, e in mine.items() if k.startswith(part + ".")
                        and len(e.global_shape) >= 2 and not (tp > 1 and len(e.global_shape) == 2 and e.split_dim == 0))
 
+        from ..layers.lora import is_lora_name, lora_settings
+
+        low_rank = sum(lora_settings(m).r for m in block.modules() if lora_settings(m) is not None)
+        frozen = not any(e.trainable for k, e in mine.items() if not is_lora_name(k))
         return cls(qk_norm=isinstance(getattr(getattr(block, attn_name, None), "q_norm", None), nn.Module),
                    mlp=_mlp_kind(getattr(block, "mlp", None)),
                    heads_split=split(attn_name), mlp_split=split("mlp"), cached_attention=cached(attn_name),
-                   cached_mlp=cached("mlp"), trainable=sum(e.local_numel(tp, 0) for e in mine.values() if e.trainable))
+                   cached_mlp=cached("mlp"), trainable=sum(e.local_numel(tp, 0) for e in mine.values() if e.trainable),
+                   low_rank=low_rank, frozen=frozen)
 
 
 def _mlp_kind(mlp: Optional[nn.Module]) -> str:
@@ -230,11 +237,12 @@ class HFMemory:
     def _local(self, n: int, split: bool) -> int:
         return -(-n // self.tp) if split else n  # the largest rank's share
 
-    def _norm(self, elements: float) -> float:
+    def _norm(self, elements: float, frozen: bool = False) -> float:
         """An RMSNorm over ``elements`` values of the stream: its fp32 input (a copy when the
         stream is not fp32; else the stream itself, counted where it is made), the normalised
-        values at the input's width, the rsqrt per token."""
-        return (4 * elements if self.w != 4 else 0) + self.w * elements + 4 * self.t
+        values at the input's width (kept for its weight's gradient: none when ``frozen``), the
+        rsqrt per token."""
+        return (4 * elements if self.w != 4 else 0) + (0 if frozen else self.w * elements) + 4 * self.t
 
     def _kept_output(self, elements: float, consumers: int) -> float:
         """A norm's output as ``consumers`` matmuls keep it: each its own cast under autocast, else one shared."""
@@ -248,7 +256,7 @@ class HFMemory:
         sh, c = self.shape, self.c
         heads, kv = self._local(sh.n_heads, layer.heads_split), self._local(sh.n_kv_heads, layer.heads_split)
         qe, ke = self.t * heads * sh.head_dim, self.t * kv * sh.head_dim
-        out = self._norm(self.u) + self._kept_output(self.u, consumers=3)
+        out = self._norm(self.u, layer.frozen) + self._kept_output(self.u, consumers=3)
         if layer.qk_norm:
             out += self._qk_norm(qe, heads) + self._qk_norm(ke, kv)
         out += c * (qe + 2 * ke) + c * qe + 4 * self.t * heads  # SDPA's q, k, v, output, log-sum-exp
@@ -266,7 +274,7 @@ class HFMemory:
         return self._kept_output(self.u, consumers) + kept * self.c * self.t * self.mlp_width(layer)
 
     def mlp_bytes(self, layer: HFLayer) -> float:
-        return self._norm(self.u) + self.mlp_inside_bytes(layer) + self.w * self.u  # the stream after the MLP
+        return self._norm(self.u, layer.frozen) + self.mlp_inside_bytes(layer) + self.w * self.u  # the stream after the MLP
 
     def _moe_bytes(self, layer: HFLayer) -> float:
         """Routed experts (approximate): per (token, expert) pair its input and output rows
@@ -286,7 +294,12 @@ class HFMemory:
         return self._copies(layer.cached_attention + layer.cached_mlp)
 
     def layer_bytes(self, layer: HFLayer) -> float:
-        return self.attention_bytes(layer) + self.mlp_bytes(layer)
+        return self.attention_bytes(layer) + self.mlp_bytes(layer) + self.low_rank_bytes(layer)
+
+    def low_rank_bytes(self, layer: HFLayer) -> float:
+        """Its adapters' ``z = A x`` (tokens x r each, at the compute width); their inputs are the
+        ones its projections keep (a frozen projection keeps none: its adapter keeps it instead)."""
+        return self.t * layer.low_rank * self.c
 
     def _recomputed(self, index: int) -> bool:
         mode = self.layout.recompute
@@ -299,7 +312,7 @@ class HFMemory:
         if self._recomputed(index):
             return self.w * self.u  # its output, the next layer's checkpointed input
         if self.layout.recompute == "mlp":  # the MLP's checkpointed input (the norm's output, at w), its output
-            kept = self.attention_bytes(layer) + self._norm(self.u) + 2 * self.w * self.u
+            kept = self.attention_bytes(layer) + self._norm(self.u, layer.frozen) + 2 * self.w * self.u
             return kept + self._copies(layer.cached_attention)
         return self.layer_bytes(layer) + self.weight_cache_bytes(layer)
 
@@ -324,11 +337,12 @@ class HFMemory:
         embedding = (0 if self.frozen_embeddings else self.w * self.u) + 2 * sh.seq_len * sh.head_dim * self.w
         rows = [("embedding", embedding)]
         rows += [(f"layers.{i}", self.stored_layer_bytes(i)) for i in range(len(self.layers))]
+        final_frozen = self.head_trainable == 0  # the final norm's weight forms no gradient (nor the head's)
         if self.fused_head is not None:
-            return rows + [("norm", self._norm(self.u))]
+            return rows + [("norm", self._norm(self.u, final_frozen))]
         # The head at tp = 1 is a plain Linear: autocast keeps its weight's copy too.
         head_cache = 0 if self.head_split else self._copies(sh.vocab_size * sh.d_model)
-        return rows + [("norm", self._norm(self.u) + self._kept_output(self.u, consumers=1) + head_cache)]
+        return rows + [("norm", self._norm(self.u, final_frozen) + self._kept_output(self.u, consumers=1) + head_cache)]
 
     def stored_bytes(self) -> float:
         """Activations kept for the backward at the end of the forward."""
@@ -338,16 +352,18 @@ class HFMemory:
         """Weight copies alive in the forward beyond the kept ones: the recomputed parts', held by
         autocast's cache until the forward's autocast exits."""
         mlp_only = self.layout.recompute == "mlp"
-        return self._copies(sum(layer.cached_attention + layer.cached_mlp if self._recomputed(i)
+        # autocast caches the casts of weights that train only (a frozen one's is freed with its recompute).
+        return self._copies(sum(0 if layer.frozen else layer.cached_attention + layer.cached_mlp if self._recomputed(i)
                                 else layer.cached_mlp if mlp_only else 0 for i, layer in enumerate(self.layers)))
 
     def gradient_bytes(self, layer: HFLayer) -> float:
         """Gradients of activations while a layer runs its backward, at their largest (fitted to
         the measured step, not derived op by op): in its MLP's backward the act and up gradients
-        and the down projection's weight gradient at the compute width, or in its norms' two fp32
+        and the down projection's weight gradient (none when frozen) at the compute width, or in its norms' two fp32
         gradients of the stream, whichever is larger."""
         width = self.mlp_width(layer)
-        mlp = (2 * self.t * width * (self.shape.experts_per_token or 1) + self.shape.d_model * width) * self.c
+        weight = 0 if layer.frozen else self.shape.d_model * width
+        mlp = (2 * self.t * width * (self.shape.experts_per_token or 1) + weight) * self.c
         return max(mlp, 2 * 4 * self.u)
 
     def backward_bytes(self, param_bytes: int, persistent_grads: float) -> float:

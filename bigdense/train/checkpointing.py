@@ -6,6 +6,12 @@ written). A failed save -- a full disk, a vanished directory -- fails on every r
 leaves ``latest`` on the previous checkpoint; ``trainer.on_save_error`` says whether training
 continues (``continue``, logged) or stops (``stop``). An asynchronous save's failure surfaces
 when the next save starts or the run ends, on every rank at the same step.
+
+A run with low-rank adapters saves its adapters and their optimizer state only
+(`bigdense.checkpoint.lora_state`); each save names the frozen base in its manifest (`run_base`:
+``model.path`` and the digest of its weight files for ``model=hf``; ``trainer.init_from``'s
+checkpoint, or the seed and model config, for the reference GPT), and resuming (or rolling back)
+checks that the base the run has now is that one.
 """
 from __future__ import annotations
 
@@ -14,7 +20,11 @@ from pathlib import Path
 from typing import Optional
 
 from ..checkpoint import CheckpointError, CheckpointMismatch, load_checkpoint, save_checkpoint
+from ..checkpoint._agree import agree, world_rank
 from ..checkpoint.format import LATEST, read_manifest, resolve_checkpoint
+from ..checkpoint.lora_state import LoRABase, checkpoint_base, hf_base, seed_base
+from ..checkpoint.pieces import unwrap
+from ..layers.lora import has_lora
 from ..checkpoint.verify import VERIFY_MODES
 from ..errors import check_choice, check_positive
 from .schedule import follow_config
@@ -51,22 +61,66 @@ def model_changes(checkpoint, cfg) -> str:
                      if old != new)
 
 
+def lora_changes(checkpoint, cfg) -> str:
+    """How the run config ``cfg``'s adapters (the ``lora`` group) differ from those ``checkpoint``
+    was saved with, by its recorded config: ``"lora.r=16 in the checkpoint, 8 here"``; empty when
+    it recorded none, or neither trains adapters."""
+    from omegaconf import OmegaConf
+
+    saved = (read_manifest(resolve_checkpoint(checkpoint)).get("config") or {}).get("lora")
+    here = OmegaConf.to_container(cfg.lora, resolve=True) if cfg is not None and "lora" in cfg else None
+    if not saved and not (here and here.get("r")):
+        return ""
+    saved, here = saved or {"r": 0}, here or {"r": 0}
+    keys = ["r"] if not saved.get("r") or not here.get("r") else ["r", "alpha", "targets", "rslora"]  # r=0: none
+    return "; ".join(f"lora.{k}={saved.get(k)!r} in the checkpoint, {here.get(k)!r} here" for k in keys
+                     if saved.get(k) != here.get(k))
+
+
+def run_base(cfg) -> LoRABase:
+    """The frozen base of a run with adapters: ``model.path`` and the digest of its weight files
+    (``model.name=hf``); else ``trainer.init_from``'s checkpoint and the digest of its model
+    tensors' records; else ``seed:<trainer.seed>`` and the digest of the seed and the model config."""
+    from omegaconf import OmegaConf
+
+    if cfg.model.get("name") == "hf":
+        return hf_base(cfg.model.path)
+    init_from = cfg.trainer.get("init_from")
+    if init_from:
+        return checkpoint_base(init_from)
+    return seed_base(cfg.trainer.seed, OmegaConf.to_container(cfg.model, resolve=True))
+
+
 class RunCheckpoints:
     """``checkpoints/step_NNNNNNN`` of one run directory, saved and loaded through ``engine``.
 
     ``extra`` of every save records the data position (``data_step`` = step + ``data_offset``)
-    and the offset itself, which a rollback moves past bad batches.
+    and the offset itself, which a rollback moves past bad batches. A model with adapters saves
+    and loads with its base reference (`base`).
     """
 
     def __init__(self, directory: Path, engine, trainer_cfg, config=None):
         self.dir, self.engine, self.tr, self.config = Path(directory), engine, trainer_cfg, config
         self.pending = None  # the handle of the save in flight
+        self._base: Optional[tuple[Optional[LoRABase]]] = None  # (the base,) once computed
+
+    def base(self) -> Optional[LoRABase]:
+        """The run's frozen base (`run_base`) when its model has adapters and the run has a
+        config, else None. Computed once, by global rank 0 (it reads the base's weight files
+        once per process), and shared with every rank; collective on the first call."""
+        if self._base is None:
+            model, _ = unwrap(self.engine.checkpoint_state()["model"])
+            wanted = self.config is not None and has_lora(model)
+            found = agree("the frozen base of the run's adapters",
+                          lambda: run_base(self.config) if wanted and world_rank() == 0 else None, gather=True)
+            self._base = (found[0],)
+        return self._base[0]
 
     def save(self, step: int, data_offset: int = 0) -> None:
         self.settle()
         try:
             result = save_checkpoint(self.dir / f"step_{step:07d}", **self.engine.checkpoint_state(), step=step,
-                                     config=self.config, extra={"data_step": step + data_offset,
+                                     config=self.config, base=self.base(), extra={"data_step": step + data_offset,
                                                                 "data_offset": data_offset},
                                      keep_last=self.tr.keep_last, async_=self.tr.async_save)
         except CheckpointError as err:
@@ -102,11 +156,14 @@ class RunCheckpoints:
         if not (self.dir / LATEST).exists():
             return None
         try:
-            info = load_checkpoint(self.dir / LATEST, **self.engine.checkpoint_state(), verify=self.tr.checkpoint_verify)
+            info = load_checkpoint(self.dir / LATEST, **self.engine.checkpoint_state(),
+                                   verify=self.tr.checkpoint_verify, base=self.base())
         except CheckpointMismatch as err:
+            changes = "; ".join(c for c in (model_changes(self.dir / LATEST, self.config),
+                                            lora_changes(self.dir / LATEST, self.config)) if c)
             raise CheckpointMismatch(
                 f"cannot resume {self.dir.parent}: its checkpoints are of another model "
-                f"({model_changes(self.dir / LATEST, self.config) or err}). To train this model, start in a new "
+                f"({changes or err}). To train this model, start in a new "
                 f"trainer.run_dir (or name none: a new directory per launch), or pass trainer.resume=false to "
                 f"ignore the checkpoints there") from err
         except CheckpointError as err:  # unreadable: a file corrupted, truncated or missing

@@ -56,7 +56,8 @@ class ParallelClassifierHead(ColumnParallelLinear):
     ``init`` defaults to nn.Linear's ("torch"), with nn.Linear's bias law.
 
     ``forward(h)`` is ``logits(h)``: this rank's shard of the logits, (*, classes_local).
-    Tie the weight to a `VocabParallelEmbedding` with `tie_weights`.
+    Tie the weight to a `VocabParallelEmbedding` with `tie_weights`. It takes no low-rank adapter
+    (``lora_kind``: its loss is fused, there is no output to add one to; PEFT leaves the head too).
 
     ``sequence_parallel=True``: ``h`` is (*, S_local, in_features), this rank's balanced share of
     the sequence, and ``target`` (*, S) replicated. The hidden states are all-gathered along the
@@ -97,6 +98,8 @@ class ParallelClassifierHead(ColumnParallelLinear):
     normaliser near 1), reduced as the loss is; the collector of `bigdense.layers.head.metrics`
     gets it apart, with the tokens predicted right. Both are also options of each ``loss`` call.
     """
+
+    lora_kind = None
 
     def __init__(
         self,
