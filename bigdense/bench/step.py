@@ -3,6 +3,7 @@
     python -m bigdense.bench.step                 # gpt_small op counts + a tp=2 timed GPT, ~3 min on 2 cores
     python -m bigdense.bench.step --quick --json step.jsonl
     python -m bigdense.bench.step --compile model --backend inductor   # eager against trainer.compile=model
+    python -m bigdense.bench.step --lora 16       # the same with LoRA adapters on every projection, the base frozen
 
 Three measurements, each of the tile-loop dropout bigdense used to have (``baseline``, kept here
 verbatim as `tiled_dropout`, with host-side checks on as they then always were) against the
@@ -128,8 +129,9 @@ def _gpt_step(model, optimizer, idx, tp_group):
     optimizer.zero_grad(set_to_none=True)
 
 
-def _count_ops(seqs, batch):
-    """Rank 0 of tp=2 with a fake process group, on meta tensors: ops per step, per variant."""
+def _count_ops(seqs, batch, lora=0):
+    """Rank 0 of tp=2 with a fake process group, on meta tensors: ops per step, per variant
+    (``lora``: with adapters of that rank, `_with_adapters`)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -140,7 +142,7 @@ def _count_ops(seqs, batch):
     ctx = bd.init_parallel(tp=2)
     cfg = GPTConfig(**GPT_SMALL, dropout=0.1, attention_dropout=0.1, attention_dropout_mode="invariant")
     with torch.device("meta"):
-        model = GPT(cfg, tp_group=ctx.tp_group)
+        model = _with_adapters(GPT(cfg, tp_group=ctx.tp_group), lora)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     out = {}
     for seq in seqs:
@@ -151,6 +153,14 @@ def _count_ops(seqs, batch):
             out[name, seq] = counter.ops
     dist.destroy_process_group()
     return out
+
+
+def _with_adapters(model, rank: int):
+    """``model`` with LoRA adapters of ``rank`` on every projection (dropout 0.1, as everywhere
+    here), the rest frozen; ``model`` as it is for rank 0."""
+    import bigdense as bd
+
+    return bd.add_lora(model, r=rank, dropout=0.1) if rank else model
 
 
 def _timed_gpt(args, compile_mode: str = "false"):
@@ -166,7 +176,7 @@ def _timed_gpt(args, compile_mode: str = "false"):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=args.vocab, d_model=args.d, n_layers=args.layers, n_heads=args.heads,
                     max_seq_len=args.seq, dropout=0.1, attention_dropout=0.1, head_chunk_size=1024)
-    model = GPT(cfg, tp_group=ctx.tp_group)
+    model = _with_adapters(GPT(cfg, tp_group=ctx.tp_group), args.lora)
     apply_compile(model, compile_mode, args.backend, stage="before_recompute")
     apply_compile(model, compile_mode, args.backend, stage="after_recompute")
     settings = EngineSettings(engine=EngineConfig(), optim=OptimConfig(warmup_steps=1), precision=PrecisionConfig(),
@@ -284,6 +294,8 @@ def main(argv=None) -> None:
     parser.add_argument("--compile", default="false", choices=["false", "blocks", "model"],
                         help="time eager against trainer.compile=MODE instead, with its graphs and breaks")
     parser.add_argument("--backend", default="aot_eager", choices=["aot_eager", "inductor", "eager"])
+    parser.add_argument("--lora", type=int, default=0, help="both variants with LoRA adapters of this rank "
+                        "on every projection (the base frozen)")
     parser.add_argument("--json", help="append one JSON object per result to this file")
     args = parser.parse_args(argv)
     if args.quick:
@@ -296,17 +308,18 @@ def main(argv=None) -> None:
 
     from bigdense.testing import run_ranks
 
-    counts = run_ranks(_count_ops, 1, (256, 1024), args.batch, init_process_group=False, timeout=1800)[0]
+    counts = run_ranks(_count_ops, 1, (256, 1024), args.batch, args.lora, init_process_group=False, timeout=1800)[0]
     times, syncs, ops = run_ranks(_timed, 2, args, timeout=3600, collective_timeout=600)[0]
 
     results = []
-    print(f"gpt_small, batch {args.batch}, dropout 0.1 everywhere (attention: invariant), tp=2 rank 0: "
+    adapters = f", LoRA r={args.lora} on every projection" if args.lora else ""
+    print(f"gpt_small{adapters}, batch {args.batch}, dropout 0.1 everywhere (attention: invariant), tp=2 rank 0: "
           "aten ops per training step (forward, backward, clip, AdamW)")
     for seq in (256, 1024):
         before, after = counts["baseline", seq], counts["current", seq]
         print(f"  seq {seq:5d}: baseline (tile-loop dropout) {before:8d}   current {after:6d}   ratio {before / after:6.1f}x")
         results.append(dict(bench="step", metric="ops_per_step", model="gpt_small", batch=args.batch, seq=seq, tp=2,
-                            baseline=before, current=after, ratio=before / after))
+                            lora=args.lora, baseline=before, current=after, ratio=before / after))
     med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
     print(f"GPT d={args.d} x {args.layers} layers, {args.heads} heads, vocab {args.vocab}, batch {args.batch}, "
           f"seq {args.seq}, fp32, dropout 0.1 everywhere, tp=2 on 2 gloo CPU processes x 1 thread, "
@@ -318,7 +331,8 @@ def main(argv=None) -> None:
     results.append(dict(bench="step", metric="step_time_ms", d=args.d, layers=args.layers, seq=args.seq,
                         batch=args.batch, tp=2, baseline=med["baseline"], current=med["current"],
                         ratio=med["baseline"] / med["current"]))
-    results.append(dict(bench="step", metric="host_syncs_per_step", baseline=syncs["baseline"], current=syncs["current"]))
+    results.append(dict(bench="step", metric="host_syncs_per_step", lora=args.lora, baseline=syncs["baseline"],
+                        current=syncs["current"]))
     if args.json:
         append_json_lines(args.json, results)
 

@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..parallel.autocast import autocast_dtype
 from ..parallel.dropout import tp_dropout
 from ..parallel.partial_grads import with_partial_grad
 from ..parallel.regions import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence
@@ -198,9 +199,9 @@ def detach_lora(layer: nn.Module) -> None:
 
 # ---- the adapter's output, for each kind (called by the layers' forwards) ----
 def _through(factor: LoRAFactor, x: torch.Tensor) -> torch.Tensor:
-    """``x`` through one factor, in ``x``'s dtype (under autocast, autocast's)."""
+    """``x`` through one factor, in ``x``'s dtype (under autocast, autocast's, which casts both)."""
     weight = factor.used()
-    return F.linear(x, weight if torch.is_autocast_enabled(x.device.type) else weight.to(x.dtype))
+    return F.linear(x, weight.to(autocast_dtype(x.device.type, x.dtype)))
 
 
 def column_delta(layer: nn.Module, x: torch.Tensor, seq_shares=None) -> torch.Tensor:
