@@ -37,12 +37,12 @@ adapter casts its own copy of a column layer's input (``u/rep`` at ``c``; row la
 their input at ``c`` already); with adapter dropout > 0 also its mask (1 byte) and, for a column
 layer, the dropped input (at ``c`` under autocast, else its width: a frozen row layer keeps no
 input of its own, so the dropped one replaces it). A frozen row layer without an adapter keeps no
-input (``out``'s ``u/tp``, ``down``'s ``hid/tp`` unless ReLU keeps it). Not followed: layers before
-the first adapter, which need no gradient, are counted as trained (but the embedding's output).
-The frozen embedding's output needs no gradient,
-so the first block's norm keeps none of it (no ``embedding`` row), and the first block's column
-layers keep no cast of their own beside the adapters'. The head's weight and the down projection's
-form no gradient; autocast's cache keeps the factors' compute-width copies.
+input (``out``'s ``u/tp``, ``down``'s ``hid/tp`` unless ReLU keeps it). The frozen embedding's
+output needs no gradient, so the first block's norm keeps none of it (no ``embedding`` row), and
+the first block's column layers keep no cast of their own beside the adapters'. The head's weight
+and the down projection's form no gradient; autocast's cache keeps the factors' compute-width
+copies. Not followed: the other layers before the first adapter, which need no gradient either,
+are counted as trained.
 """
 from __future__ import annotations
 

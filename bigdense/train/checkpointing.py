@@ -24,9 +24,9 @@ from ..checkpoint._agree import agree, world_rank
 from ..checkpoint.format import LATEST, read_manifest, resolve_checkpoint
 from ..checkpoint.lora_state import LoRABase, checkpoint_base, hf_base, seed_base
 from ..checkpoint.pieces import unwrap
-from ..layers.lora import has_lora
 from ..checkpoint.verify import VERIFY_MODES
 from ..errors import check_choice, check_positive
+from ..layers.lora import has_lora
 from .schedule import follow_config
 from .faults import BadSteps, TrainingStopped
 
