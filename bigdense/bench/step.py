@@ -4,6 +4,7 @@
     python -m bigdense.bench.step --quick --json step.jsonl
     python -m bigdense.bench.step --compile model --backend inductor   # eager against trainer.compile=model
     python -m bigdense.bench.step --lora 16       # the same with LoRA adapters on every projection, the base frozen
+    python -m bigdense.bench.step --optim muon    # the same with Muon on the dense weights (AdamW for the rest)
 
 Three measurements, each of the tile-loop dropout bigdense used to have (``baseline``, kept here
 verbatim as `tiled_dropout`, with host-side checks on as they then always were) against the
@@ -129,9 +130,10 @@ def _gpt_step(model, optimizer, idx, tp_group):
     optimizer.zero_grad(set_to_none=True)
 
 
-def _count_ops(seqs, batch, lora=0):
+def _count_ops(seqs, batch, lora=0, optim="adamw"):
     """Rank 0 of tp=2 with a fake process group, on meta tensors: ops per step, per variant
-    (``lora``: with adapters of that rank, `_with_adapters`)."""
+    (``lora``: with adapters of that rank, `_with_adapters`; ``optim``: ``adamw`` or ``muon``,
+    whose exchange of whole matrices then runs over the fake group too)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -143,7 +145,7 @@ def _count_ops(seqs, batch, lora=0):
     cfg = GPTConfig(**GPT_SMALL, dropout=0.1, attention_dropout=0.1, attention_dropout_mode="invariant")
     with torch.device("meta"):
         model = _with_adapters(GPT(cfg, tp_group=ctx.tp_group), lora)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    optimizer = _optimizer(model, ctx, optim)
     out = {}
     for seq in seqs:
         idx = torch.zeros(batch, seq, dtype=torch.long, device="meta")
@@ -153,6 +155,18 @@ def _count_ops(seqs, batch, lora=0):
             out[name, seq] = counter.ops
     dist.destroy_process_group()
     return out
+
+
+def _optimizer(model, ctx, name: str):
+    """The counted step's optimizer: torch's foreach AdamW, or bigdense's Muon over the TP group."""
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    import torch.distributed as dist
+
+    from bigdense.config import OptimConfig
+    from bigdense.muon import build_muon
+
+    return build_muon(model, ctx, OptimConfig(name="muon", lr=1e-4), group=dist.group.WORLD, fused=False)
 
 
 def _with_adapters(model, rank: int):
@@ -179,7 +193,8 @@ def _timed_gpt(args, compile_mode: str = "false"):
     model = _with_adapters(GPT(cfg, tp_group=ctx.tp_group), args.lora)
     apply_compile(model, compile_mode, args.backend, stage="before_recompute")
     apply_compile(model, compile_mode, args.backend, stage="after_recompute")
-    settings = EngineSettings(engine=EngineConfig(), optim=OptimConfig(warmup_steps=1), precision=PrecisionConfig(),
+    settings = EngineSettings(engine=EngineConfig(), optim=OptimConfig(name=args.optim, warmup_steps=1),
+                              precision=PrecisionConfig(),
                               micro_batch_size=args.batch, max_steps=10**6)
     idx = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     return build_engine(model, ctx, settings), [(idx, idx.roll(-1, dims=1))]
@@ -296,6 +311,8 @@ def main(argv=None) -> None:
     parser.add_argument("--backend", default="aot_eager", choices=["aot_eager", "inductor", "eager"])
     parser.add_argument("--lora", type=int, default=0, help="both variants with LoRA adapters of this rank "
                         "on every projection (the base frozen)")
+    parser.add_argument("--optim", default="adamw", choices=["adamw", "muon"],
+                        help="both variants with this optimizer (optim.name)")
     parser.add_argument("--json", help="append one JSON object per result to this file")
     args = parser.parse_args(argv)
     if args.quick:
@@ -308,18 +325,20 @@ def main(argv=None) -> None:
 
     from bigdense.testing import run_ranks
 
-    counts = run_ranks(_count_ops, 1, (256, 1024), args.batch, args.lora, init_process_group=False, timeout=1800)[0]
+    counts = run_ranks(_count_ops, 1, (256, 1024), args.batch, args.lora, args.optim, init_process_group=False,
+                       timeout=1800)[0]
     times, syncs, ops = run_ranks(_timed, 2, args, timeout=3600, collective_timeout=600)[0]
 
     results = []
     adapters = f", LoRA r={args.lora} on every projection" if args.lora else ""
+    optimizer = "Muon + AdamW" if args.optim == "muon" else "AdamW"
     print(f"gpt_small{adapters}, batch {args.batch}, dropout 0.1 everywhere (attention: invariant), tp=2 rank 0: "
-          "aten ops per training step (forward, backward, clip, AdamW)")
+          f"aten ops per training step (forward, backward, clip, {optimizer})")
     for seq in (256, 1024):
         before, after = counts["baseline", seq], counts["current", seq]
         print(f"  seq {seq:5d}: baseline (tile-loop dropout) {before:8d}   current {after:6d}   ratio {before / after:6.1f}x")
         results.append(dict(bench="step", metric="ops_per_step", model="gpt_small", batch=args.batch, seq=seq, tp=2,
-                            lora=args.lora, baseline=before, current=after, ratio=before / after))
+                            lora=args.lora, optim=args.optim, baseline=before, current=after, ratio=before / after))
     med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
     print(f"GPT d={args.d} x {args.layers} layers, {args.heads} heads, vocab {args.vocab}, batch {args.batch}, "
           f"seq {args.seq}, fp32, dropout 0.1 everywhere, tp=2 on 2 gloo CPU processes x 1 thread, "
@@ -331,7 +350,8 @@ def main(argv=None) -> None:
     results.append(dict(bench="step", metric="step_time_ms", d=args.d, layers=args.layers, seq=args.seq,
                         batch=args.batch, tp=2, baseline=med["baseline"], current=med["current"],
                         ratio=med["baseline"] / med["current"]))
-    results.append(dict(bench="step", metric="host_syncs_per_step", lora=args.lora, baseline=syncs["baseline"],
+    results.append(dict(bench="step", metric="host_syncs_per_step", lora=args.lora, optim=args.optim,
+                        baseline=syncs["baseline"],
                         current=syncs["current"]))
     if args.json:
         append_json_lines(args.json, results)

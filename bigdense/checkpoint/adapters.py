@@ -1,7 +1,8 @@
 """`resolve_optimizer`: the `OptimizerAdapter` that saves and loads a given optimizer -- torch's,
 DeepSpeed's ZeRO-1/2 and BF16 wrappers, its stage-0 optimizers, and a DeepSpeed engine's pair with
 bigdense's optimizer of world-sharded parameters. The one place that tells optimizers apart: save and
-load only talk to the adapter's interface (`bigdense.checkpoint.optimizer`)."""
+load only talk to the adapter's interface (`bigdense.checkpoint.optimizer`), which also says which
+algorithm's state each holds (`optimizer.algorithm_of`)."""
 from __future__ import annotations
 
 from typing import Optional

@@ -26,7 +26,7 @@ from .format import (
 )
 from .adapters import resolve_optimizer
 from .lora_state import LoRABase, as_base, check_lora_load, trainable_state
-from .optimizer import OptimizerAdapter, check_optimizer_groups
+from .optimizer import OptimizerAdapter, check_optimizer_algorithm, check_optimizer_groups
 from .pieces import ModelState, current_context, model_pieces, unwrap
 from ..compression.prune_masks import attach_saved_masks
 from .rng import restore_rng
@@ -184,6 +184,8 @@ def _plan(path, module, opt: Optional[OptimizerAdapter], ctx, requested: dict, s
         if wanted and not has[what] and strict:
             hint = "pass optimizer=None" if what == "optimizer" else f"pass {what}=None or strict=False"
             raise CheckpointError(f"{ckpt} holds no {what} state (saved with {what}=None); {hint}")
+    if opt is not None and has["optimizer"]:  # before the masks below: a refused load changes nothing
+        check_optimizer_algorithm(ckpt, manifest.get("optimizer_algorithm"), opt.algorithm)
     adapters_only = check_lora_load(ckpt, manifest, module, base=base, strict=strict,
                                     optimizer=requested["optimizer"] and has["optimizer"])
     # A pruned model's masks are part of its state: the layers that had one get one to load into.

@@ -5,6 +5,10 @@
 optimizer), `bigdense.checkpoint.zero.ZeroOptimizerState` for DeepSpeed ZeRO-1/2 and its BF16
 optimizer, `bigdense.checkpoint.zero.UnfusedMastersState` for its stage-0 bf16/fp16 optimizer. Both store the same thing -- per-parameter tensors under ``optim/<param name>/<key>``
 and parameter groups listing parameter names -- so state saved by either kind loads into the other.
+
+What the state *means* is the algorithm's: every adapter records it (`algorithm_of`: ``"muon"`` for
+`bigdense.muon.Muon`, ``"adamw"`` for every other optimizer), the manifest keeps it, and
+`check_optimizer_algorithm` refuses a load into a run of another one before anything is changed.
 """
 from __future__ import annotations
 
@@ -22,8 +26,9 @@ FP32_MASTER = "fp32_master"  # optimizer-state key under which DeepSpeed's fp32 
 class OptimizerAdapter:
     """What a checkpoint needs from an optimizer.
 
-    ``kind`` is recorded in the manifest. `pieces` are this rank's per-parameter tensors (sharded
-    like their parameters where shaped like them); `common` is the replicated rest (parameter
+    ``kind`` (who keeps the state: torch, DeepSpeed) and ``algorithm`` (what the state is:
+    `algorithm_of`) are recorded in the manifest. `pieces` are this rank's per-parameter tensors
+    (sharded like their parameters where shaped like them); `common` is the replicated rest (parameter
     groups by name, hyper-parameters, non-tensor state). `group_names` lists the parameters of each
     group, to check a checkpoint's groups against; `loads_key` says which stored state keys this
     kind takes; `load` puts ``tensors[param name][key]`` (this rank's boxes) and ``common`` back
@@ -31,6 +36,7 @@ class OptimizerAdapter:
     """
 
     kind: str
+    algorithm: str = "adamw"  # DeepSpeed's wrappers: bigdense builds them over AdamW only
 
     def group_names(self, model: ModelState) -> list[list[str]]:
         raise NotImplementedError
@@ -46,6 +52,39 @@ class OptimizerAdapter:
 
     def load(self, model: ModelState, common: Optional[dict], tensors: dict[str, dict[str, torch.Tensor]]) -> None:
         raise NotImplementedError
+
+
+# optim.name -> the name messages give it; the state each keeps says why one cannot go on from the other's.
+ALGORITHMS = {
+    "adamw": ("AdamW", "two moments and a step count per parameter"),
+    "muon": ("Muon", "a momentum buffer per dense-layer weight, AdamW's moments for the other parameters"),
+}
+LEGACY_ALGORITHM = "adamw"  # checkpoints written before the manifest recorded the algorithm: all AdamW's
+
+
+def algorithm_of(optimizer) -> str:
+    """The algorithm of a torch optimizer's state, as ``optim.name`` spells it: its ``algorithm``
+    attribute (`bigdense.muon.Muon`'s is ``"muon"``), else ``"adamw"`` -- every other
+    optimizer bigdense builds is torch's AdamW, and a user's own optimizer is taken for one too."""
+    return str(getattr(optimizer, "algorithm", "adamw"))
+
+
+def check_optimizer_algorithm(ckpt, saved: Optional[str], running: str) -> None:
+    """The optimizer being loaded runs the algorithm whose state the checkpoint holds (``saved``:
+    the manifest's ``optimizer_algorithm``, None in checkpoints older than the record). Param groups
+    and state keys could line up anyway (a tensor shaped like its weight is sharded alike whatever it
+    means), so the algorithm is compared by name, before anything is loaded."""
+    saved = LEGACY_ALGORITHM if saved is None else str(saved)
+    if saved == running:
+        return
+    theirs, ours = (ALGORITHMS.get(a, (a, None)) for a in (saved, running))
+    kept = "; ".join(f"{name} keeps {what}" for name, what in (theirs, ours) if what)
+    raise CheckpointError(
+        f"{ckpt}: the checkpoint's optimizer state is {theirs[0]}'s (optim.name={saved}); this run's optimizer is "
+        f"{ours[0]} (optim.name={running}), which cannot go on from it{f' ({kept})' if kept else ''}. To switch, "
+        f"start from the weights only with trainer.init_from={ckpt} (a fresh {ours[0]}; in code: "
+        f"bd.load_checkpoint(..., optimizer=None)), or keep optim.name={saved}"
+    )
 
 
 # Param-group keys that say how an optimizer computes, not what it computes: a loaded checkpoint
@@ -71,6 +110,7 @@ class TorchOptimizerState(OptimizerAdapter):
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
+        self.algorithm = algorithm_of(optimizer)
 
     def model_param(self, p: torch.Tensor) -> torch.Tensor:
         """The model parameter that the optimizer's tensor ``p`` stands for (itself here)."""

@@ -308,6 +308,7 @@ def _manifest(plan: SavePlan, per_rank: list[dict]) -> dict:
         "created_unix": time.time(), "torch_version": torch.__version__,
         "layout": {"tp": ctx.tp_size, "dp": ctx.dp_size, "world_size": ctx.world_size},
         "optimizer_engine": None if opt is None else opt.kind,
+        "optimizer_algorithm": None if opt is None else opt.algorithm,  # `optimizer.check_optimizer_algorithm`
         "has": {"optimizer": opt is not None, "scheduler": plan.scheduler is not None, "scaler": plan.scaler is not None},
         "aliases": per_rank[0]["aliases"], "tensors": tensors, "files": files,
         **({"lora": plan.lora} if plan.lora is not None else {}),

@@ -51,11 +51,12 @@ class WorldShardedState(TorchOptimizerState):
 
 class SplitOptimizerState(OptimizerAdapter):
     """Two adapters over disjoint parameters, saved and loaded as one optimizer; ``*_from`` give
-    the group of the whole that each of their groups belongs to."""
+    the group of the whole that each of their groups belongs to. Its kind and algorithm are the main
+    optimizer's: the world-sharded parameters' AdamW is what AdamW and Muon alike run for them."""
 
     def __init__(self, main: OptimizerAdapter, world: OptimizerAdapter, main_from: list[int], world_from: list[int]):
         self.parts = ((main, list(main_from)), (world, list(world_from)))
-        self.kind = main.kind
+        self.kind, self.algorithm = main.kind, main.algorithm
         self.n_groups = max(main_from + world_from) + 1
 
     def group_names(self, model: ModelState) -> list[list[str]]:

@@ -104,9 +104,10 @@ class EngineConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warm-up and a cosine (or constant) schedule."""
+    """AdamW, or Muon for the dense layers' weights and AdamW for the rest (``name: muon``), with
+    linear warm-up and a cosine (or constant) schedule."""
 
-    name: str = "adamw"
+    name: str = "adamw"  # "adamw" or "muon"
     lr: float = 1e-3
     min_lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.95)
@@ -115,6 +116,17 @@ class OptimConfig:
     warmup_steps: int = 20
     schedule: str = "cosine"  # "cosine" or "constant"
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    # name=muon (docs/training.md, "Muon"): torch.optim.Muon's options; lr and weight_decay serve both groups
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
+    ns_eps: float = 1.0e-7
+    adjust_lr: str = "match_rms_adamw"  # "match_rms_adamw", "original" or "none"
+    ns_dtype: str = "auto"  # the iteration's dtype: "auto" (bf16 on CUDA, fp32 elsewhere), "fp32" or "bf16"
+    ns_compile: str = "auto"  # torch.compile the iteration: "auto" (on CUDA), "on" or "off"
+    muon_blocks: str = "split"  # "split": q, k, v and gate, up orthogonalised apart; "whole": each weight whole
+    muon_comm: str = "all_to_all"  # moving whole matrices: "all_to_all" (two per round) or "gather" (two per matrix)
 
 
 @dataclass

@@ -42,7 +42,7 @@ from ..parallel.context import resolve_tp_group
 from ..parallel.comm import group_rank, group_size
 from ..parallel.dropout import tp_dropout
 from ..parallel.regions import scatter_to_sequence
-from ..parallel.sharding import shard_sizes
+from ..parallel.sharding import mark_logical_blocks, shard_sizes
 from ..errors import ConfigError
 
 ATTENTION_DROPOUT_MODES = ("invariant", "fused")
@@ -146,6 +146,9 @@ class ParallelSelfAttention(nn.Module):
         self.sequence_parallel = sequence_parallel
         kw = dict(bias=bias, init=init, tp_group=tp_group, sequence_parallel=sequence_parallel)
         self.qkv = ColumnParallelLinear(d_model, 3 * d_model, overlap_comm=overlap_comm, **kw)
+        # Three matrices, q, k and v, interleaved head by head (an optimizer may treat each alone).
+        rows = torch.arange(3 * d_model, device="cpu").view(n_heads, 3, self.head_dim)  # indices, not data: on the CPU
+        mark_logical_blocks(self.qkv.weight, 0, [rows[:, j].reshape(-1) for j in range(3)])
         self.out = RowParallelLinear(d_model, d_model, **kw)
 
     def forward(self, x: torch.Tensor, seq_len: Optional[int] = None) -> torch.Tensor:

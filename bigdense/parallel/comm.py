@@ -52,9 +52,9 @@ class CollectiveCounts:
     """What `count_collectives` recorded on this rank.
 
     ``by_kind``: ``{kind: (calls, bytes)}``, kinds ``"all_reduce"``, ``"all_gather"``,
-    ``"reduce_scatter"``, ``"broadcast"``; bytes are those handed to the backend (the full tensor of
-    an all-reduce, the gathered output of an all-gather, the input of a reduce-scatter; padded
-    when shards are uneven). ``events``: in order, ``("issue", kind, bytes)`` when a collective is
+    ``"reduce_scatter"``, ``"broadcast"``, ``"all_to_all"``; bytes are those handed to the backend (the
+    full tensor of an all-reduce, the gathered output of an all-gather, the input of a
+    reduce-scatter, padded when shards are uneven; what an all-to-all sends to the other ranks). ``events``: in order, ``("issue", kind, bytes)`` when a collective is
     launched and ``("wait", kind, bytes)`` when its result is taken; other code may append its own
     entries to the same list to interleave them (the overlap test logs GEMMs there).
     """
@@ -112,7 +112,7 @@ class Pending:
 
 
 def _issue(kind: str, group: Optional[ProcessGroup], buffer: torch.Tensor, launch, traced,
-           finish: Callable[[], torch.Tensor], op=None) -> Pending:
+           finish: Callable[[], torch.Tensor], op=None, nbytes: Optional[int] = None) -> Pending:
     """Launch a collective on ``buffer`` (what the backend is handed; its bytes are counted):
     ``launch()`` (eager, asynchronous, returns the backend's work) or, under torch.compile,
     ``traced()`` (the functional collective, done when it returns). With the collective-schedule
@@ -122,7 +122,7 @@ def _issue(kind: str, group: Optional[ProcessGroup], buffer: torch.Tensor, launc
         return completed(finish())
     if schedule.enabled():
         schedule.agree(kind, group, buffer, None if op is None else _FUNCOL_OPS.get(op, str(op)))
-    nbytes = _nbytes(buffer)
+    nbytes = _nbytes(buffer) if nbytes is None else nbytes
     _record("issue", kind, nbytes)
     return Pending(launch(), kind, nbytes, finish, group)
 
@@ -297,3 +297,20 @@ def broadcast_(tensor: torch.Tensor, src_group_rank: int, group: Optional[Proces
     return _issue("broadcast", group, tensor,
                   lambda: dist.broadcast(tensor, src=src, group=group, async_op=True),
                   lambda: tensor.copy_(funcol.broadcast(tensor, src, group)), lambda: tensor).wait()
+
+
+def all_to_all_start(output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
+                     input_splits: Sequence[int], group: Optional[ProcessGroup]) -> Pending:
+    """Issue an all-to-all of flat tensors: ``input_splits[r]`` elements of ``input`` (in rank order)
+    go to rank ``r`` of ``group``, ``output_splits[r]`` come from it into ``output``; ``wait()``
+    returns ``output``. Uneven splits work on gloo and NCCL alike. Counted bytes: those sent to the
+    other ranks (a rank's own split is a local copy)."""
+    if group_size(group) == 1:
+        return completed(output.copy_(input))
+    me = group_rank(group)
+    sent = (sum(input_splits) - input_splits[me]) * input.element_size()
+    out_splits, in_splits = [int(n) for n in output_splits], [int(n) for n in input_splits]
+    return _issue("all_to_all", group, torch.empty(len(in_splits), device="meta"),
+                  lambda: dist.all_to_all_single(output, input, out_splits, in_splits, group=group, async_op=True),
+                  lambda: output.copy_(funcol.all_to_all_single(input, out_splits, in_splits, group)),
+                  lambda: output, nbytes=sent)

@@ -142,3 +142,32 @@ def is_dtensor(t: torch.Tensor) -> bool:
     # second or more (most never meet one): look it up instead.
     dtensor = sys.modules.get("torch.distributed.tensor")
     return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+@dataclass(frozen=True)
+class LogicalBlocks:
+    """The separate matrices a weight stacks along ``dim``: block ``j`` is ``global.index_select(dim,
+    rows[j])`` (global indices, in the block's own order). A fused qkv weight laid out head by head
+    holds q, k and v this way; a packed ``[gate; up]`` holds two contiguous blocks. Read by optimizers
+    that treat each block as its own matrix (`bigdense.muon`)."""
+
+    dim: int
+    rows: tuple  # one 1-D LongTensor of global indices along ``dim`` per block
+
+
+def mark_logical_blocks(param: torch.nn.Parameter, dim: int, rows) -> None:
+    """Declare that ``param`` stacks separate matrices along ``dim`` (see `LogicalBlocks`); the layer
+    that lays the weight out says so, once."""
+    param.bd_logical_blocks = LogicalBlocks(dim, tuple(torch.as_tensor(r, dtype=torch.long, device="cpu") for r in rows))
+
+
+def logical_blocks_of(param: torch.Tensor) -> Optional[LogicalBlocks]:
+    """The blocks ``param`` stacks: those its layer declared, else the packed blocks of its `ShardSpec`
+    (``parts`` > 1, contiguous along the split dimension), else None (one matrix)."""
+    declared = getattr(param, "bd_logical_blocks", None)
+    if declared is not None:
+        return declared
+    spec = shard_spec_of(param)
+    if spec is None or spec.parts == 1:
+        return None
+    return LogicalBlocks(spec.dim, tuple(torch.arange(j * spec.block, (j + 1) * spec.block) for j in range(spec.parts)))

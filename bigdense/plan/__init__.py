@@ -2,5 +2,7 @@
 from .count import ParamEntry, count_per_rank, param_entries
 from .estimate import Estimate, estimate
 from .layout import Layout
+from .muon import MuonPlan, MuonSettings
 
-__all__ = ["estimate", "Estimate", "Layout", "ParamEntry", "param_entries", "count_per_rank"]
+__all__ = ["estimate", "Estimate", "Layout", "ParamEntry", "param_entries", "count_per_rank", "MuonSettings",
+           "MuonPlan"]

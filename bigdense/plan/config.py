@@ -16,6 +16,7 @@ from ..parallel.context import ParallelDims
 from .estimate import GiB, Estimate, estimate, model_shape
 from .hf import meta_causal_lm
 from .layout import Layout
+from .muon import MuonSettings, muon_time
 
 
 def planned_devices(cfg, plan) -> int:
@@ -56,7 +57,7 @@ def meta_gpt(cfg):
     with the run's adapters (`with_adapters`)."""
     from ..models import GPT, GPTConfig
 
-    with torch.device("meta"):
+    with torch.device("meta"):  # (its qkv's block indices stay on the CPU: Muon's geometry reads them)
         model = GPT(GPTConfig.from_config(cfg.model, int(cfg.data.vocab_size)))
     return with_adapters(model, cfg)
 
@@ -100,7 +101,9 @@ def step_time(est: Estimate, model_shape, plan) -> float:
     """A rough step time for ranking layouts: matmul FLOPs at ``plan.tflops`` plus ring all-reduces
     (TP: `Estimate.tp_collective_bytes`, the residual stream's 4 per block per micro-batch plus
     recompute's and the adapters' (tokens, r), each ring step of the stream's paying
-    ``plan.latency_us``, so fewer, larger micro-batches win ties; DP: the gradients)."""
+    ``plan.latency_us``, so fewer, larger micro-batches win ties; DP: the gradients); with Muon its
+    step beyond AdamW's (`muon.muon_time`: Newton-Schulz at the rate of its dtype, the exchange at
+    ``plan.dp_gbps``)."""
     lay = est.layout
     rate = (plan.tflops_fp32 if lay.precision == "fp32" else plan.tflops) * 1e12
     compute = est.flops_per_step / rate
@@ -108,7 +111,11 @@ def step_time(est: Estimate, model_shape, plan) -> float:
     tp_calls = (per_block * model_shape.n_layers + 2) * lay.grad_accum * 2 * (lay.tp - 1)  # ring steps
     tp_time = 2 * (lay.tp - 1) / lay.tp * est.tp_collective_bytes / (plan.tp_gbps * 1e9) \
         + tp_calls * plan.latency_us * 1e-6
-    return compute + tp_time + _dp_bytes(est) / (plan.dp_gbps * 1e9)
+    muon = 0.0
+    if est.muon is not None:
+        ns_rate = plan.tflops if est.muon.ns_dtype == "bf16" else plan.tflops_fp32
+        muon = muon_time(est.muon, ns_rate, plan.dp_gbps, plan.latency_us)
+    return compute + tp_time + _dp_bytes(est) / (plan.dp_gbps * 1e9) + muon
 
 
 def _dp_bytes(est: Estimate) -> float:
@@ -132,7 +139,8 @@ def estimate_config(cfg, plan, layout: Optional[Layout] = None, model=None) -> E
     layout = layout or layout_of(cfg, plan, devices)
     model = model if model is not None else meta_model(cfg)
     seq_len = int(cfg.data.seq_len)
-    est = estimate(model, layout=layout, seq_len=seq_len, overhead_gb=_overhead_gb(plan))
+    est = estimate(model, layout=layout, seq_len=seq_len, overhead_gb=_overhead_gb(plan),
+                   muon=MuonSettings.of(cfg.optim))
     est.step_time_s = step_time(est, model_shape(model, seq_len), plan)
     return est
 

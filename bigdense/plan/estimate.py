@@ -18,7 +18,7 @@ The peak is the largest of the moments a step passes through, each a sum of what
   gradient and its sum with the head's gradient, both alive next to the head's;
 * ``optimizer`` -- every gradient and the optimizer's temporaries (none for the DDP engine's fused
   AdamW; DeepSpeed's torch AdamW: two of the largest parameter on CPU, one of all parameters with
-  the foreach kernels on GPUs).
+  the foreach kernels on GPUs; Muon's step, `bigdense.plan.muon_step`, on its busiest rank).
 
 With ``engine="fsdp"`` the state is FSDP's fp32 shards, each moment adds the gathered parameters and
 buffers alive then, and FSDP's own moments join them (`bigdense.plan.fsdp`: ``block_end``,
@@ -43,6 +43,7 @@ from .fsdp import FSDPMemory, fsdp_units
 from .gpt import GPTAdapters, GPTMemory, GPTShape
 from .hf import HFMemory, HFShape, is_causal_lm
 from .layout import Layout
+from .muon import MuonPlan, MuonSettings, plan_muon
 
 GiB = 2**30
 DS_REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
@@ -66,6 +67,7 @@ class Estimate:
     activations_per_layer: list = field(default_factory=list)  # [(name, bytes)]
     tp_collective_bytes: float = 0.0  # per step per rank: the TP collectives' tensors (`tp_collective_bytes`)
     step_time_s: Optional[float] = None
+    muon: Optional[MuonPlan] = None  # optim.name=muon: its state, exchange, FLOPs and step transient per rank
 
     @property
     def total_bytes(self) -> int:
@@ -94,6 +96,7 @@ class Estimate:
                  ("FLOPs per step per rank", f"{self.flops_per_step:.3e}", "")]
         if self.layout.tp > 1 and self.tp_collective_bytes:
             rows.append(("TP collectives per step", f"{self.tp_collective_bytes / GiB:9.3f} GiB", ""))
+        rows += _muon_rows(self.muon) if self.muon is not None else []
         width = max(len(r[0]) for r in rows)
         lines = [f"per rank, {' '.join(self.layout.overrides())}"]
         lines += [f"  {name:<{width}}  {value}  {note}".rstrip() for name, value, note in rows]
@@ -104,6 +107,18 @@ class Estimate:
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)
+
+
+def _muon_rows(muon: MuonPlan) -> list[tuple[str, str, str]]:
+    """The table's Muon rows: the busiest rank's figures, and what they are made of."""
+    other = [f"{s}: {n}" for s, n in muon.collectives.items() if s != muon.scheme]
+    return [("Muon exchange per step", f"{muon.busiest('sent_bytes') / GiB:9.3f} GiB",
+             f"sent by the busiest rank ({muon.ns_dtype}); {muon.collectives[muon.scheme]} all-to-alls "
+             f"({muon.scheme}; {', '.join(other)}), {muon.matrices} matrices in {muon.rounds} rounds"),
+            ("Muon Newton-Schulz FLOPs", f"{muon.busiest('ns_flops'):.3e}",
+             f"per step on the busiest rank (least: {min(muon.ns_flops):.3e})"),
+            ("Muon step transient", f"{muon.busiest('step_bytes') / GiB:9.3f} GiB",
+             "the busiest rank's, in the optimizer moment")]
 
 
 def _short(n: int) -> str:
@@ -225,6 +240,7 @@ def estimate(
     layout: Optional[Layout] = None,
     seq_len: Optional[int] = None,
     overhead_gb: float = 0.0,
+    muon: Optional[MuonSettings] = None,
     **layout_options,
 ) -> Estimate:
     """Parameters and memory per rank of ``model`` trained under a layout.
@@ -238,7 +254,9 @@ def estimate(
     With ``seq_len``, for the reference GPT (`bigdense.models.GPT`) and for a Hugging Face causal LM
     (a `CausalLM`, or the transformers model itself, counted by its own plan) the activations, the
     loss's working set and the FLOPs are estimated too (`activation_model`); for other modules only
-    parameters, gradients and optimizer state (FSDP: also the end of the backward).
+    parameters, gradients and optimizer state (FSDP: also the end of the backward). ``muon``
+    (``optim.name=muon``'s settings): Muon's momentum for the dense weights instead of AdamW's
+    moments, its step's transient in the optimizer moment, and its exchange (`Estimate.muon`).
     """
     layout = layout or Layout(tp=tp, dp=dp, **layout_options)
     entries = param_entries(model, plan, layout.tp)
@@ -253,15 +271,19 @@ def estimate(
     states = fsdp.state_bytes() if fsdp else _state_bytes(params, trainable, largest, layout)
     if not fsdp:  # a frozen base held narrower (lora.base_dtype) counts at its own width
         states["params"] = max(bytes_per_rank(entries, layout.tp, layout.param_bytes))
+    muon_plan = plan_muon(model, entries, layout, muon) if muon is not None else None
+    if muon_plan is not None:  # the largest rank's state; the busiest rank's transient
+        states["optimizer"] = muon_plan.busiest("state_bytes")
+        states["optimizer_temporaries"] = muon_plan.busiest("step_bytes")
     cats = {k: states[k] for k in ("params", "grads", "optimizer")}
     est = Estimate(layout, sum(e.numel for e in entries), fsdp.shard_numel() if fsdp else params, cats,
                    trainable_params=sum(e.numel for e in entries if e.trainable),
                    trainable_per_rank=fsdp.trainable_shard_numel() if fsdp else trainable,
-                   overhead_bytes=int(overhead_gb * GiB))
+                   overhead_bytes=int(overhead_gb * GiB), muon=muon_plan)
 
     base = states["params"] + states["optimizer"] + states["buckets"]
     if fsdp is not None:
-        est.phases = fsdp.moments(memory, base)
+        est.phases = fsdp.moments(memory, base, states["optimizer_temporaries"])
     elif memory is None:
         est.phases = {"optimizer": base + states["grads"] + states["optimizer_temporaries"]}
     else:

@@ -197,17 +197,18 @@ class FSDPMemory:
         held = self.units if self.keep else [u for u in self.units if u.kind == "root"]
         return self._sum(self.gathered, [u for u in held if u not in but])
 
-    def moments(self, memory, base: float) -> dict[str, float]:
+    def moments(self, memory, base: float, temporaries: float = 0) -> dict[str, float]:
         """Bytes alive at each moment of the step: the activation model's (``memory``: `GPTMemory`,
         `HFMemory`) with FSDP's state (``base``: the parameter and optimizer shards), plus what FSDP
         holds then; and FSDP's own: the head's unit gathered again as the backward starts, the
         blocks' ends and reduce-scatters, the output and end units' reduce-scatters, the forward's
         all-gathers. Without an activation model (``memory`` None: a module the
-        planner knows no activations of), the end of the backward and the optimizer step."""
+        planner knows no activations of), the end of the backward and the optimizer step.
+        ``temporaries``: the optimizer step's own (none for fused AdamW; Muon's, `bigdense.plan.muon_step`)."""
         k, grads = self.kinds, self.state_bytes()["grads"]
         if memory is None:
-            return {"backward_end": base + grads + self._backward_end(0), "optimizer": base + grads}
-        moments = memory.moments(base, self.persistent_grads(), grads, 0)
+            return {"backward_end": base + grads + self._backward_end(0), "optimizer": base + grads + temporaries}
+        moments = memory.moments(base, self.persistent_grads(), grads, temporaries)
         tied, resident = memory.tied_gradient_bytes(self.pb), self._resident()
         outputs = k.get("output") or k.get("tied")
         last_gathered = k.get("output") or (self.blocks[-1] if self.blocks else outputs)

@@ -27,6 +27,7 @@ FLOORS = (
     (3, "bigdense.parallelize", "converting an existing nn.Module, Hugging Face plans"),
     (3, "bigdense.compression", "making a trained dense layer smaller: low rank, pruning, sparse, int8"),
     (4, "bigdense.checkpoint", "layout-free checkpoints, dense export"),
+    (4, "bigdense.muon", "Muon for sharded dense layers: whole matrices, each orthogonalised on one rank"),
     (4, "bigdense.plan", "the memory planner's estimates, from a model's shapes (bd.plan.estimate)"),
     (5, "bigdense.train", "engines, clipping, precision, recompute, schedules, metrics, faults"),
     (6, "bigdense.config", "the jobs' configuration: schemas, key checks, validation"),

@@ -166,7 +166,7 @@ class RunCheckpoints:
                 f"({changes or err}). To train this model, start in a new "
                 f"trainer.run_dir (or name none: a new directory per launch), or pass trainer.resume=false to "
                 f"ignore the checkpoints there") from err
-        except CheckpointError as err:  # unreadable: a file corrupted, truncated or missing
+        except CheckpointError as err:  # unreadable (a file corrupted, truncated or missing), or another optimizer's state
             raise CheckpointError(
                 f"cannot resume {self.dir.parent}: {err}. To go on, start in a new trainer.run_dir, or pass "
                 f"trainer.resume=false to train from step 0 there, ignoring its checkpoints{self._earlier_hint()}"

@@ -37,6 +37,7 @@ from ...parallel.dropout import batch_slice
 from ...errors import ConfigError, check_choice, check_positive, check_positive_int
 from ..precision import autocast
 from ..cuda_graphs import check_cuda_graphs
+from ...muon import check_muon_options
 from ..schedule import check_schedule
 
 
@@ -138,12 +139,16 @@ class EngineSettings:
                    max_steps=cfg.trainer.max_steps, cuda_graphs=bool(getattr(cfg.trainer, "cuda_graphs", False)))
 
 
-OPTIMIZERS = ("adamw",)  # optim.name: torch's AdamW (DeepSpeed's "torch_adam" in the DeepSpeed engine)
+# optim.name: torch's AdamW (DeepSpeed's "torch_adam" in the DeepSpeed engine), or Muon for the dense
+# layers' weights and AdamW for the rest (`bigdense.muon`; DDP and FSDP engines)
+OPTIMIZERS = ("adamw", "muon")
 
 
 def check_optim(optim_cfg) -> None:
-    """The optimizer's rules (the schedule's are `schedule.check_schedule`'s)."""
+    """The optimizer's rules (the schedule's are `schedule.check_schedule`'s, Muon's `check_muon_options`)."""
     check_choice("optim.name", str(optim_cfg.name), OPTIMIZERS)
+    if str(optim_cfg.name) == "muon":
+        check_muon_options(optim_cfg)
     betas = list(optim_cfg.betas)
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {betas}")

@@ -17,6 +17,7 @@ from ...errors import check_positive
 from ..clip import clip_grad_norm_, grad_norm
 from ..cuda_graphs import StepGraph
 from ..precision import Precision
+from ...muon import Muon, build_muon, muon_param_groups
 from ..schedule import build_lr_schedule
 from .base import Engine, EngineSettings, StepResult, TokenWeights, mesh_group, param_groups
 
@@ -74,7 +75,7 @@ class DDPEngine(Engine):
         self.scaler = self.precision.scaler
         self.grad_clip = float(optim_cfg.grad_clip)
         self.wrapped = self._data_parallel(model)
-        self.optimizer = self._adamw(param_groups(model, optim_cfg.weight_decay))
+        self.optimizer = self._build_optimizer(model)
         self.scheduler = build_lr_schedule(self.optimizer, optim_cfg, settings.max_steps)
         self._params = [p for opt in self._optimizers() for group in opt.param_groups for p in group["params"]]
         self._partial = partial_grad_params(model)
@@ -102,6 +103,27 @@ class DDPEngine(Engine):
             gradient_as_bucket_view=True,
             **_no_buffer_sync(DistributedDataParallel),
         )
+
+    def _build_optimizer(self, model) -> torch.optim.Optimizer:
+        """``optim.name``'s optimizer over ``model``: AdamW, or `Muon` (dense weights) with AdamW inside."""
+        weight_decay = self.settings.optim.weight_decay
+        return self._optimizer_over((muon_param_groups if self._muon_run else param_groups)(model, weight_decay))
+
+    @property
+    def _muon_run(self) -> bool:
+        return str(self.settings.optim.name) == "muon"
+
+    def _optimizer_over(self, groups: list[dict]) -> torch.optim.Optimizer:
+        return self._muon(groups) if self._muon_run else self._adamw(groups)
+
+    def _dp_shard(self) -> int:
+        """The DP ranks each weight is split over (1: DDP keeps replicas)."""
+        return 1
+
+    def _muon(self, groups: list[dict]) -> Muon:
+        """`Muon` over ``groups`` (flagged ``"muon"``), exchanging whole matrices over the mesh."""
+        return build_muon(self.model, self.ctx, self.settings.optim, groups=groups, dp_shard=self._dp_shard(),
+                          group=mesh_group(self.ctx), fused=True, capturable=self.settings.cuda_graphs)
 
     def _adamw(self, groups: list[dict]) -> torch.optim.AdamW:
         """torch's fused AdamW over ``groups`` with ``optim``'s hyper-parameters."""

@@ -96,6 +96,11 @@ class DSEngine(Engine):
                               "supports stages 0-2); to shard parameters, gradients and optimizer state over DP too, "
                               "use engine=fsdp (FSDP2 over the DP dimension of the TP x DP mesh)")
         check_choice("engine.zero_stage", settings.engine.zero_stage, ZERO_STAGES)
+        if str(settings.optim.name) == "muon":
+            raise ConfigError("optim.name=muon with engine=deepspeed: ZeRO flattens the weights into partitions that cut "
+                              "matrices at arbitrary elements, and DeepSpeed's own MuonWithAuxAdam orthogonalises each "
+                              "tensor-parallel shard apart (not the whole matrix); use engine=ddp or engine=fsdp "
+                              "(FSDP2 shards optimizer state over DP as ZeRO does)")
         if settings.precision.dtype == "fp16":
             if device_type == "cpu":
                 raise ConfigError("precision=fp16 with engine=deepspeed needs a GPU: DeepSpeed's CPU accelerator has "

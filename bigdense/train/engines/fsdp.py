@@ -77,14 +77,19 @@ class FSDPEngine(DDPEngine):
                 model.set_force_sum_reduction_for_comms(True)  # a sum and a division: an average on any torch
         return model
 
-    def _adamw(self, groups: list[dict]) -> torch.optim.AdamW:
+    def _optimizer_over(self, groups: list[dict]) -> torch.optim.Optimizer:
         register_tensor_lr_meta()
         # One fused AdamW call cannot mix DTensors with plain tensors: the parameters FSDP left
         # alone (world-sharded) get an AdamW of their own, stepped with the same LR and skip flag,
-        # and saved with the other as one (`checkpoint_state`).
+        # and saved with the other as one (`checkpoint_state`). (They are never Muon's.)
         groups, self._groups_from, left_alone, self._left_alone_from = split_world_sharded(groups)
-        self._left_alone = super()._adamw(left_alone) if left_alone else None
-        return super()._adamw(groups)
+        self._left_alone = self._adamw(left_alone) if left_alone else None
+        return super()._optimizer_over(groups)
+
+    def _dp_shard(self) -> int:
+        if not hasattr(self.model, "set_requires_gradient_sync"):  # a single process: FSDP not applied
+            return 1
+        return self.ctx.dp_size // int(self.settings.engine.dp_replicate)
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         return [self.optimizer] + ([self._left_alone] if self._left_alone is not None else [])
