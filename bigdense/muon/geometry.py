@@ -85,17 +85,18 @@ class Piece:
 
     def _select(self, t: torch.Tensor, slices, names) -> torch.Tensor:
         for dim, (cut, name) in enumerate(zip(slices, names)):
-            t = t[cut] if dim == 0 and cut is not None else t[:, cut] if cut is not None \
-                else t.index_select(dim, self._index(name, t.device))
+            if cut is None:
+                t = t.index_select(dim, self._index(name, t.device))
+            else:
+                t = t.narrow(dim, cut.start, cut.stop - cut.start)
         return t
 
     def _assign(self, t: torch.Tensor, slices, names, values: torch.Tensor) -> None:
         if slices[0] is not None and slices[1] is not None:
             t[slices[0], slices[1]].copy_(values)
         else:
-            index = [self._index(n, t.device) if c is None else torch.arange(c.start, c.stop, device=t.device)
-                     for c, n in zip(slices, names)]
-            t[index[0][:, None], index[1][None, :]] = values
+            rows, cols = (self._index(n, t.device) for n in names)
+            t[rows[:, None], cols[None, :]] = values
 
     def take(self, local: torch.Tensor) -> torch.Tensor:
         """This piece of a rank's local tensor."""
