@@ -61,7 +61,6 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError("Muon: a group flagged muon holds a parameter that is not 2-D")
         self.ns_dtype = ns_dtype
         self._orthogonalize = orthogonalizer(ns_backend)
-        self.orthogonalized = 0  # matrices this rank has orthogonalised, over all steps (each matrix once a step)
         self._matrices = [list(ms) for ms in matrices]
         if len(self._matrices) != len(self._muon_params()):
             raise ValueError(f"Muon: {len(self._matrices)} matrix layouts for {len(self._muon_params())} Muon parameters")
@@ -123,7 +122,6 @@ class Muon(torch.optim.Optimizer):
         self.exchange.run(pieces, lambda i, whole: self._newton_schulz(whole, targets[i][0].group), deliver)
 
     def _newton_schulz(self, whole: torch.Tensor, group: dict) -> torch.Tensor:
-        self.orthogonalized += 1
         return self._orthogonalize(whole, group["ns_coefficients"], int(group["ns_steps"]), float(group["ns_eps"]),
                                    self.ns_dtype)
 
